@@ -1,0 +1,198 @@
+"""PyTorch references for every Triton kernel — same signatures, same return values.
+
+These are the specification: readable, computed in at least fp32 (fp64 stays fp64 so parity
+tests against `transformers` can be exact), and used by the engine when ``kernels="torch"``.
+Shapes: B batch, T tree nodes (node 0 = root), H heads, D hidden, V vocab, L layers,
+Hq/Hkv query/key-value heads, Dh head dim, NB cache blocks, BS block size.
+"""
+import torch
+import torch.nn.functional as F
+
+from .kernels.accept import check_tree_accept_inputs, check_tree_accept_sample_inputs
+from .kernels.drafting import check_fused_draft_inputs
+from .kernels.kv_append import check_kv_append_inputs
+from .kernels.tree_attention import check_tree_attention_inputs
+
+
+def _acc_dtype(dtype):
+    """Accumulation dtype: fp32 for half types, fp64 stays fp64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def fused_draft(hidden, res_weight, res_bias, lm_head, top_k):
+    """All H Medusa heads on one hidden state, then per-head top-k of the shared LM head.
+
+    head h:  z_h = x + silu(W_h x + b_h);  logits_h = lm_head @ z_h           (Medusa, Cai et al. 2024)
+    hidden [B, D]; res_weight [H, D, D]; res_bias [H, D]; lm_head [V, D]
+    returns token_ids [B, H, top_k] int64 (descending logit, ties -> lower id) and
+            logprobs  [B, H, top_k] float32 = log_softmax(logits_h) at those ids.
+    """
+    check_fused_draft_inputs(hidden, res_weight, res_bias, lm_head, top_k)
+    acc = _acc_dtype(hidden.dtype)
+    x = hidden.to(acc)                                                    # [B, D]
+    pre = torch.einsum("bd,hed->bhe", x, res_weight.to(acc)) + res_bias.to(acc)  # [B, H, D]
+    z = x[:, None, :] + F.silu(pre)                                       # [B, H, D]
+    logits = z @ lm_head.to(acc).T                                        # [B, H, V]
+    logp = torch.log_softmax(logits, dim=-1)
+    # a stable descending sort keeps the lower id first among equal logits
+    ids = torch.sort(logits, dim=-1, descending=True, stable=True).indices[..., :top_k]
+    return ids, logp.gather(-1, ids).float()
+
+
+def tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask, sm_scale=None):
+    """Attention of T tree nodes over a paged cache plus the tree itself.
+
+    Node i of sequence b attends to the cache_lens[b] cached tokens (all visible) and to tree node j
+    where tree_mask[b, i, j] (j is i or an ancestor of i):
+        out[b, i] = softmax(q_i K^T * sm_scale + mask) V,  K = [K_cache(b); K_tree(b)]
+    GQA: query head h uses KV head h // (Hq // Hkv).
+    q [B, T, Hq, Dh]; k_cache, v_cache [NB, BS, Hkv, Dh]; block_table [B, max_blocks] int32;
+    cache_lens [B] int32; k_tree, v_tree [B, T, Hkv, Dh]; tree_mask [T, T] or [B, T, T] bool.
+    returns out [B, T, Hq, Dh] in q's dtype.
+    """
+    mask = check_tree_attention_inputs(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask)
+    B, T, Hq, Dh = q.shape
+    BS, Hkv = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv
+    scale = Dh ** -0.5 if sm_scale is None else sm_scale
+    acc = _acc_dtype(q.dtype)
+    out = torch.empty_like(q)
+    for b in range(B):
+        n = int(cache_lens[b])
+        blocks = block_table[b, : (n + BS - 1) // BS].long()
+        k_c = k_cache[blocks].reshape(-1, Hkv, Dh)[:n]                    # [n, Hkv, Dh]
+        v_c = v_cache[blocks].reshape(-1, Hkv, Dh)[:n]
+        k = torch.cat([k_c, k_tree[b]]).to(acc)                          # [n + T, Hkv, Dh]
+        v = torch.cat([v_c, v_tree[b]]).to(acc)
+        qb = q[b].to(acc).view(T, Hkv, G, Dh)                            # [T, Hkv, G, Dh]
+        scores = torch.einsum("tkgd,skd->kgts", qb, k) * scale           # [Hkv, G, T, n + T]
+        visible = torch.cat([torch.ones(T, n, dtype=torch.bool, device=q.device), mask[b]], dim=1)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        p = torch.softmax(scores, dim=-1)
+        o = torch.einsum("kgts,skd->tkgd", p, v)                         # [T, Hkv, G, Dh]
+        out[b] = o.reshape(T, Hq, Dh).to(q.dtype)
+    return out
+
+
+def _node_depths(parents):
+    """parents [B, T] (-1 = root or unused) -> depth [B, T] (root 0; unused nodes 0)."""
+    B, T = parents.shape
+    depth = torch.zeros(B, T, dtype=torch.int64, device=parents.device)
+    for i in range(1, T):
+        p = parents[:, i]
+        depth[:, i] = torch.where(p >= 0, depth.gather(1, p.clamp(min=0)[:, None])[:, 0] + 1, 0)
+    return depth
+
+
+def _path_to(parents, last):
+    """Root-to-`last` node path per sequence, padded with -1: accept_nodes [B, T], accept_len [B]."""
+    B, T = parents.shape
+    depth = _node_depths(parents)
+    accept_len = depth.gather(1, last[:, None])[:, 0]
+    nodes = torch.full((B, T), -1, dtype=torch.int64, device=parents.device)
+    for b in range(B):
+        node, d = int(last[b]), int(accept_len[b])
+        while node >= 0:
+            nodes[b, d] = node
+            node, d = int(parents[b, node]), d - 1
+    return accept_len, nodes
+
+
+def tree_accept(draft_tokens, parents, target_tokens):
+    """Greedy tree acceptance (Medusa / SpecInfer).
+
+    Node i > 0 is accepted iff its parent p is accepted and draft_tokens[i] == target_tokens[p];
+    the root is always accepted; a node with parent -1 is unused. The deepest accepted node n
+    (ties: lowest index) ends the accepted path; the bonus token is target_tokens[n].
+    draft_tokens [B, T] int64; parents [T] or [B, T] int64; target_tokens [B, T] int64.
+    returns accept_len [B] int64, accept_nodes [B, T] int64 (path from root, -1 padded), next_token [B] int64.
+    """
+    parents = check_tree_accept_inputs(draft_tokens, parents, target_tokens)
+    B, T = draft_tokens.shape
+    accepted = torch.zeros(B, T, dtype=torch.bool, device=draft_tokens.device)
+    accepted[:, 0] = True
+    for i in range(1, T):
+        p = parents[:, i].clamp(min=0)[:, None]
+        ok = (parents[:, i] >= 0) & accepted.gather(1, p)[:, 0]
+        accepted[:, i] = ok & (draft_tokens[:, i] == target_tokens.gather(1, p)[:, 0])
+    depth = _node_depths(parents)
+    score = torch.where(accepted, depth, -1)
+    last = torch.argmax(score, dim=1)          # first index among the deepest accepted nodes
+    accept_len, accept_nodes = _path_to(parents, last)
+    next_token = target_tokens.gather(1, last[:, None])[:, 0]
+    return accept_len, accept_nodes, next_token
+
+
+def sample_from_probs(probs, u):
+    """Inverse-CDF sampling: the first id whose cumulative probability exceeds u * sum(probs).
+
+    probs [B, V] (need not be normalised; >= 0); u [B] in [0, 1). returns ids [B] int64.
+    """
+    cdf = torch.cumsum(probs.to(_acc_dtype(probs.dtype)), dim=-1)
+    thresh = (u.to(cdf.dtype) * cdf[:, -1])[:, None]
+    ids = torch.searchsorted(cdf, thresh, right=True)[:, 0]
+    # a zero-probability tail id cannot be chosen: clamp to the last id with mass
+    last_nz = probs.shape[1] - 1 - torch.argmax((probs.flip(-1) > 0).to(torch.int8), dim=-1)
+    return torch.minimum(ids, last_nz)
+
+
+def tree_accept_sample(draft_tokens, parents, target_probs, u_accept, u_sample):
+    """Lossless tree acceptance at temperature > 0 (sibling-wise rejection sampling, SpecInfer/EAGLE).
+
+    Walk from the root. At node n with target distribution p = target_probs[n], try the children of n
+    in index order: child c (token x) is accepted iff u_accept[c] < p(x) / sum(p); then the walk moves
+    to c. On rejection p(x) <- 0 (renormalised implicitly) and the next sibling is tried. When every
+    child is rejected (or n is a leaf), the bonus token is drawn from the residual p with u_sample.
+    The emitted token at each depth is then distributed exactly as p (sampling without replacement).
+    draft_tokens [B, T] int64; parents [T] or [B, T]; target_probs [B, T, V] (after temperature/top-p);
+    u_accept [B, T] (entry 0 unused); u_sample [B] — the random numbers are inputs, so a kernel can be
+    compared with this reference exactly.
+    returns accept_len [B], accept_nodes [B, T], next_token [B] (as tree_accept).
+    """
+    parents = check_tree_accept_sample_inputs(draft_tokens, parents, target_probs, u_accept, u_sample)
+    B, T = draft_tokens.shape
+    acc = _acc_dtype(target_probs.dtype)
+    accept_len = torch.zeros(B, dtype=torch.int64, device=draft_tokens.device)
+    accept_nodes = torch.full((B, T), -1, dtype=torch.int64, device=draft_tokens.device)
+    next_token = torch.zeros(B, dtype=torch.int64, device=draft_tokens.device)
+    for b in range(B):
+        node, d = 0, 0
+        accept_nodes[b, 0] = 0
+        while True:
+            p = target_probs[b, node].to(acc).clone()
+            moved = False
+            for c in range(node + 1, T):
+                if int(parents[b, c]) != node:
+                    continue
+                x = int(draft_tokens[b, c])
+                total = p.sum()
+                if total > 0 and float(u_accept[b, c]) * float(total) < float(p[x]):
+                    node, d, moved = c, d + 1, True
+                    accept_nodes[b, d] = c
+                    break
+                p[x] = 0.0                                   # reject: remove x, renormalise
+            if not moved:
+                next_token[b] = sample_from_probs(p[None], u_sample[b : b + 1])[0]
+                accept_len[b] = d
+                break
+    return accept_len, accept_nodes, next_token
+
+
+def kv_append(k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, accept_nodes, accept_len):
+    """Copy the root's and accepted nodes' K/V into the paged cache, every layer, in place.
+
+    For layer l, sequence b and j = 0..accept_len[b]: node n = accept_nodes[b, j] goes to position
+    pos = cache_lens[b] + j, i.e. block block_table[b, pos // BS], slot pos % BS.
+    k_cache, v_cache [L, NB, BS, Hkv, Dh]; k_tree, v_tree [L, B, T, Hkv, Dh]. cache_lens is not changed.
+    """
+    check_kv_append_inputs(k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, accept_nodes, accept_len)
+    BS = k_cache.shape[2]
+    B = k_tree.shape[1]
+    for b in range(B):
+        n = int(accept_len[b]) + 1
+        pos = int(cache_lens[b]) + torch.arange(n, device=k_cache.device)
+        blocks = block_table[b].long()[pos // BS]
+        slots = pos % BS
+        nodes = accept_nodes[b, :n]
+        k_cache[:, blocks, slots] = k_tree[:, b, nodes]
+        v_cache[:, blocks, slots] = v_tree[:, b, nodes]

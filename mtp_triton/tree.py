@@ -1,0 +1,161 @@
+"""Candidate trees (Medusa-style): which top-k ranks of which heads are verified together.
+
+A tree is a set of paths of top-k ranks. The path (r1, r2, ..., rd) is the node whose draft token is
+rank r_d of head d-1, child of the node (r1, ..., r_{d-1}); the root () is the last committed token.
+With H heads the deepest node has depth H. Nodes are ordered by depth, then lexicographically, so
+parents always come before children (parents[i] < i) and the root is node 0.
+
+Example:
+    >>> t = Tree.from_choices([(0,), (1,), (0, 0)])
+    >>> t.parents.tolist(), t.depth.tolist(), t.rank.tolist()
+    ([-1, 0, 0, 1], [0, 1, 1, 2], [0, 0, 1, 0])
+"""
+from dataclasses import dataclass
+import heapq
+
+import torch
+
+
+@dataclass(frozen=True)
+class Tree:
+    paths: tuple          # tuple of rank tuples, node order; paths[0] == () is the root
+    parents: torch.Tensor  # [T] int64, parents[0] = -1
+    depth: torch.Tensor    # [T] int64, root 0
+    rank: torch.Tensor     # [T] int64, top-k rank of the node's draft token (root 0)
+    mask: torch.Tensor     # [T, T] bool, mask[i, j] = j is i or an ancestor of i
+
+    @property
+    def size(self):
+        """T: number of nodes, root included."""
+        return len(self.paths)
+
+    @property
+    def max_depth(self):
+        return int(self.depth.max())
+
+    @property
+    def top_k(self):
+        """How many candidates per head the tree needs (max rank + 1)."""
+        return int(self.rank.max()) + 1
+
+    @classmethod
+    def from_choices(cls, choices, top_k=None, num_heads=None):
+        """Build from Medusa-style choices: an iterable of rank paths, e.g. [(0,), (1,), (0, 0)]."""
+        paths = []
+        for c in choices:
+            try:
+                path = tuple(int(r) for r in c)
+            except TypeError:
+                raise ValueError(f"Tree: each choice must be a tuple of ranks, got {c!r}") from None
+            if len(path) == 0:
+                raise ValueError("Tree: the empty path is the root; leave it out of the choices")
+            if any(r < 0 for r in path):
+                raise ValueError(f"Tree: ranks must be >= 0, got {path}")
+            if top_k is not None and any(r >= top_k for r in path):
+                raise ValueError(f"Tree: rank in {path} is >= top_k={top_k}")
+            if num_heads is not None and len(path) > num_heads:
+                raise ValueError(f"Tree: path {path} is deeper than the {num_heads} heads")
+            paths.append(path)
+        if len(set(paths)) != len(paths):
+            dup = sorted({p for p in paths if paths.count(p) > 1})
+            raise ValueError(f"Tree: duplicate paths {dup}")
+        known = set(paths)
+        for p in paths:
+            if len(p) > 1 and p[:-1] not in known:
+                raise ValueError(f"Tree: path {p} has no parent path {p[:-1]} in the choices")
+        ordered = [()] + sorted(paths, key=lambda p: (len(p), p))
+        index = {p: i for i, p in enumerate(ordered)}
+        T = len(ordered)
+        parents = torch.tensor([-1] + [index[p[:-1]] for p in ordered[1:]], dtype=torch.int64)
+        depth = torch.tensor([len(p) for p in ordered], dtype=torch.int64)
+        rank = torch.tensor([0] + [p[-1] for p in ordered[1:]], dtype=torch.int64)
+        mask = torch.zeros(T, T, dtype=torch.bool)
+        for i, p in enumerate(ordered):
+            for d in range(len(p) + 1):
+                mask[i, index[p[:d]]] = True
+        return cls(tuple(ordered), parents, depth, rank, mask)
+
+    @classmethod
+    def root_only(cls):
+        """T = 1: the serial step."""
+        return cls.from_choices([])
+
+    @classmethod
+    def chain(cls, n):
+        """A depth-n chain of top-1 drafts (the seed's MTP-n)."""
+        return cls.from_choices([(0,) * d for d in range(1, n + 1)])
+
+    @classmethod
+    def from_accuracies(cls, acc, budget):
+        """The tree of `budget` non-root nodes maximising the expected accepted length.
+
+        acc [H, K]: acc[h, r] = measured probability that rank r of head h is the target's token
+        (per-head top-k accuracy, Medusa §3.3 / Sequoia). Assuming independence, the path (r1..rd)
+        is accepted with probability prod_d acc[d-1, r_d], and E[accepted drafts] is the sum of
+        that over the tree's nodes. A child never beats its parent, so taking the `budget` most
+        probable paths (best-first search) gives a prefix-closed, optimal tree.
+        """
+        acc = torch.as_tensor(acc, dtype=torch.float64)
+        if acc.dim() != 2 or acc.numel() == 0:
+            raise ValueError(f"Tree.from_accuracies: acc must be [H, K], got {tuple(acc.shape)}")
+        if budget < 0:
+            raise ValueError("Tree.from_accuracies: budget must be >= 0")
+        H, K = acc.shape
+        order = torch.argsort(acc, dim=1, descending=True, stable=True)  # ranks by accuracy per head
+        heap = [(-float(acc[0, order[0, 0]]), (int(order[0, 0]),), 0)]  # (-prob, path, index of rank in order)
+        chosen = []
+        while heap and len(chosen) < budget:
+            negp, path, j = heapq.heappop(heap)
+            chosen.append(path)
+            d = len(path)
+            if j + 1 < K:   # next sibling (next best rank at the same head)
+                r = int(order[d - 1, j + 1])
+                sib = path[:-1] + (r,)
+                parent_p = -negp / float(acc[d - 1, path[-1]]) if acc[d - 1, path[-1]] > 0 else 0.0
+                heapq.heappush(heap, (-parent_p * float(acc[d - 1, r]), sib, j + 1))
+            if d < H:       # first child
+                r = int(order[d, 0])
+                heapq.heappush(heap, (negp * float(acc[d, r]), path + (r,), 0))
+        return cls.from_choices(chosen)
+
+    def expected_accept_len(self, acc):
+        """E[accepted drafts] for this tree under independent per-head accuracies acc [H, K]."""
+        acc = torch.as_tensor(acc, dtype=torch.float64)
+        total = 0.0
+        for p in self.paths[1:]:
+            prob = 1.0
+            for d, r in enumerate(p):
+                prob *= float(acc[d, r]) if d < acc.shape[0] and r < acc.shape[1] else 0.0
+            total += prob
+        return total
+
+    def to(self, device):
+        return Tree(self.paths, self.parents.to(device), self.depth.to(device), self.rank.to(device),
+                    self.mask.to(device))
+
+
+# A smooth illustrative accuracy profile for 4 heads x 10 ranks: head h's rank-r candidate is right with
+# probability 0.6 * 0.75**h * 0.5**r (top-1 60/45/34/25 %, roughly the shape Medusa reports). The medusa-N
+# presets are the best N-node trees for it; `Tree.from_accuracies` builds one from *measured* accuracies.
+TYPICAL_ACC = [[0.6 * 0.75 ** h * 0.5 ** r for r in range(10)] for h in range(4)]
+
+# Named presets (lists of choices). chain-n is the seed's MTP-n (needs n heads).
+PRESETS = {f"chain-{n}": [(0,) * d for d in range(1, n + 1)] for n in (1, 2, 3, 4, 5, 8)}
+for _n in (8, 16, 32, 64):
+    PRESETS[f"medusa-{_n}"] = list(Tree.from_accuracies(TYPICAL_ACC, _n).paths[1:])
+DEFAULT_TREE = "medusa-16"
+
+
+def get_tree(tree, num_heads=None):
+    """A Tree from a Tree, a preset name, or a list of choices; checked against num_heads."""
+    if tree is None:
+        tree = DEFAULT_TREE
+    if isinstance(tree, str):
+        if tree not in PRESETS:
+            raise ValueError(f"unknown tree preset {tree!r}; presets: {sorted(PRESETS)}")
+        tree = Tree.from_choices(PRESETS[tree])
+    elif not isinstance(tree, Tree):
+        tree = Tree.from_choices(tree)
+    if num_heads is not None and tree.max_depth > num_heads:
+        raise ValueError(f"tree depth {tree.max_depth} exceeds the {num_heads} heads available")
+    return tree
