@@ -1,0 +1,29 @@
+"""Kernel dispatch: the engine calls `ops.<name>` and gets the Triton kernel or its PyTorch twin.
+
+kernels = "triton" | "torch" | "auto" (triton on a CUDA device, torch on CPU). The two sets have the
+same signatures, so swapping them changes nothing but speed (and fp rounding).
+"""
+from types import SimpleNamespace
+
+from . import reference
+
+NAMES = ("fused_draft", "tree_attention", "tree_accept", "tree_accept_sample", "kv_append")
+
+
+def torch_ops():
+    return SimpleNamespace(kind="torch", **{n: getattr(reference, n) for n in NAMES})
+
+
+def triton_ops():
+    from .kernels import accept, drafting, kv_append, tree_attention
+    return SimpleNamespace(kind="triton", fused_draft=drafting.fused_draft,
+                           tree_attention=tree_attention.tree_attention, tree_accept=accept.tree_accept,
+                           tree_accept_sample=accept.tree_accept_sample, kv_append=kv_append.kv_append)
+
+
+def get_ops(kernels="auto", device="cpu"):
+    if kernels not in ("auto", "torch", "triton"):
+        raise ValueError(f"kernels must be 'auto', 'torch' or 'triton', got {kernels!r}")
+    if kernels == "auto":
+        kernels = "triton" if str(device).startswith("cuda") else "torch"
+    return triton_ops() if kernels == "triton" else torch_ops()
