@@ -139,6 +139,7 @@ def prefill(model, prompts, cache, ops):
     return hidden[rows, lens - 1]
 
 
+@torch.no_grad()
 def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None, temperature=0.0, top_p=1.0,
              seed=None, eos_token_id=None, kernels="auto", runtime=None, block_size=16, drafter=None):
     """Generate up to max_new_tokens per prompt; see API.md. mtp=False or heads=None: serial decoding.
