@@ -1,0 +1,26 @@
+"""python -m mtp_triton demo | generate | eval | tables | train_heads  [--help]"""
+import importlib
+import sys
+
+COMMANDS = {
+    "demo": ("mtp_triton.demo", "demo", "serial vs MTP on the embedded model (the main job)"),
+    "generate": ("mtp_triton.demo", "text_generate", "generate text from a prompt"),
+    "eval": ("mtp_triton.bench.evaluate", "main", "the A/B evaluation harness (MTP on vs off)"),
+    "tables": ("mtp_triton.bench.tables", "main", "reproduce the published speedup tables"),
+    "train_heads": ("mtp_triton.train_heads", "main", "train MTP heads (frozen base or joint)"),
+}
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print(__doc__)
+        for name, (_, _, text) in COMMANDS.items():
+            print(f"  {name:12s} {text}")
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    module, func, _ = COMMANDS[argv[0]]
+    return getattr(importlib.import_module(module), func)(argv[1:]) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
