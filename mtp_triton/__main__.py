@@ -19,7 +19,8 @@ def main(argv=None):
             print(f"  {name:12s} {text}")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     module, func, _ = COMMANDS[argv[0]]
-    return getattr(importlib.import_module(module), func)(argv[1:]) or 0
+    rc = getattr(importlib.import_module(module), func)(argv[1:])
+    return rc if isinstance(rc, int) else 0
 
 
 if __name__ == "__main__":
