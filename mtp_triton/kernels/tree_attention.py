@@ -1,9 +1,58 @@
 """Tree-masked attention over a paged KV cache — Triton.
 
+One verification step feeds T tree nodes (node 0 = the root, the newest committed token) through the
+target model. In every layer, node i of sequence b attends to all cache_lens[b] cached tokens and to the
+tree nodes j that are i itself or an ancestor of i (SpecInfer, Miao et al. 2023; Medusa, Cai et al. 2024):
+
+    S = [q_i K_cache(b)^T, q_i K_tree(b)^T] * sm_scale,   S[j] = -inf where j is a tree node and not tree_mask[b, i, j]
+    out[b, i] = softmax(S) [V_cache(b); V_tree(b)]
+
+Bytes, the reason this is one kernel: a step reads the whole K/V cache once per layer
+(2 * cache_len * Hkv * Dh * elem bytes) and a little more for the tree. The naive PyTorch route first
+gathers the paged cache into a contiguous copy (read + write the same bytes again), builds a
+[T, cache_len + T] mask, then runs masked attention over the copy: ~3x the traffic of reading the cache once.
+
+The kernel is flash-attention style (Dao et al. 2022): one program per (query tile, sequence, KV head,
+KV split). Its query tile holds the G = Hq // Hkv query heads of that KV head for a run of tree nodes
+(row r <-> node r // G, head kv_head * G + r % G), so each K/V tile is loaded once for all G heads (GQA).
+It streams the cache through the block table (key position n lives in block block_table[b, n // BS],
+slot n % BS), then the tree keys under the ancestor mask, with an online softmax accumulated in fp32.
+Tree keys past the tile's last node are skipped (the mask is lower-triangular), so the same kernel
+serves prefill (cache_len 0, a causal mask over hundreds of nodes).
+
+Split-KV (flash-decoding, Dao et al. 2023): with few programs (batch 1, a handful of KV heads) the cache
+of every sequence is cut into NUM_SPLITS chunks handled by separate programs; each writes its normalised
+partial output and log-sum-exp, and `_combine_splits_kernel` merges them:
+    out = sum_s exp(lse_s - M) o_s / sum_s exp(lse_s - M),   M = max_s lse_s.
+
+Dtypes: fp32, fp16, bf16 (fp32 accumulation; fp16/bf16 tensor-core dots on the GPU, fp32 dots on
+fp32 inputs and under the interpreter, whose bf16 arithmetic is broken). fp64 is refused with a
+TypeError: use `mtp_triton.reference.tree_attention` (the engine's CPU path) for fp64.
+
 Input checks live here so this file can be copied alone (torch + triton only); the
 PyTorch twin in ``mtp_triton.reference`` imports them, so both reject the same inputs.
+
+Example:
+    >>> B, T, Hq, Hkv, Dh, BS = 2, 3, 4, 2, 16, 16
+    >>> q = torch.randn(B, T, Hq, Dh)
+    >>> k_cache, v_cache = torch.randn(2, 4, BS, Hkv, Dh).unbind(0)
+    >>> block_table = torch.tensor([[0, 1], [3, 2]], dtype=torch.int32)
+    >>> cache_lens = torch.tensor([5, 17], dtype=torch.int32)
+    >>> k_tree, v_tree = torch.randn(2, B, T, Hkv, Dh).unbind(0)
+    >>> mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # root with two children
+    >>> tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, mask).shape
+    torch.Size([2, 3, 4, 16])
 """
+import functools
+import os
+
 import torch
+
+if not torch.cuda.is_available():      # no GPU: Triton can only interpret; it reads this flag at @triton.jit
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 
 def check_tree_attention_inputs(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask):
@@ -71,3 +120,219 @@ def check_tree_attention_inputs(q, k_cache, v_cache, block_table, cache_lens, k_
     if used.numel() and (int(used.min()) < 0 or int(used.max()) >= NB):
         raise ValueError(f"tree_attention: block_table entries in use must be in [0, {NB})")
     return mask
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------------------
+@triton.jit
+def _online_softmax_update(acc, m_i, l_i, s, v, INPUT_PRECISION: tl.constexpr):
+    """Fold one tile of scores into the running softmax (Milakov & Gimelshein 2018).
+
+    s [M, N] scores in log2 units (already * sm_scale * log2(e), -inf where invisible); v [N, D];
+    acc [M, D] = sum_j 2^(s_j - m) v_j; m_i [M] running max; l_i [M] = sum_j 2^(s_j - m).
+    """
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)                      # rescale what was accumulated under the old max
+    p = tl.exp2(s - m_new[:, None])                   # -inf -> 0
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _tree_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, cache_lens_ptr, k_tree_ptr, v_tree_ptr, mask_ptr,
+    out_ptr, part_ptr, lse_ptr,
+    T, Hq, Hkv, Dh, max_blocks, qk_scale,
+    stride_qb, stride_qt, stride_qh,            # q / out [B, T, Hq, Dh] (last stride 1)
+    stride_cn, stride_cs, stride_ch,            # k_cache / v_cache [NB, BS, Hkv, Dh]
+    stride_tb, stride_tt, stride_th,            # k_tree / v_tree [B, T, Hkv, Dh]
+    stride_mb,                                  # tree mask [B or 1, T, T] as bytes (0 when shared)
+    G: tl.constexpr, BS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)                    # query tile over the G * T rows of one KV head
+    pid_bh = tl.program_id(1).to(tl.int64)      # (sequence, KV head)
+    pid_s = tl.program_id(2)                    # KV split
+    b = pid_bh // Hkv
+    kvh = pid_bh % Hkv
+
+    # rows of this tile: row r is tree node r // G seen by query head kvh * G + r % G
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                        # [M]
+    row_ok = rows < G * T
+    t = rows // G                                                         # [M] tree node of each row
+    h = kvh * G + rows % G                                                # [M] query head of each row
+    d = tl.arange(0, BLOCK_D)                                             # [D] padded head dim
+    d_ok = d < Dh
+    q_off = b * stride_qb + t.to(tl.int64) * stride_qt + h * stride_qh    # [M]
+    q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = q.to(COMPUTE_DTYPE)                                               # [M, D]
+
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)   # finite start: a fully masked tile gives p = 0, not NaN
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    # ---- 1. the paged cache: every cached token is visible to every node --------------------------------
+    n_cached = tl.load(cache_lens_ptr + b)
+    chunk = tl.cdiv(tl.cdiv(n_cached, NUM_SPLITS), BLOCK_N) * BLOCK_N     # this sequence's split size
+    start = pid_s * chunk
+    end = tl.minimum(start + chunk, n_cached)
+    for start_n in range(start, end, BLOCK_N):
+        pos = start_n + tl.arange(0, BLOCK_N)                             # [N] token positions
+        pos_ok = pos < end
+        blk = tl.load(block_table_ptr + b * max_blocks + pos // BS, mask=pos_ok, other=0).to(tl.int64)
+        kv_off = blk * stride_cn + (pos % BS) * stride_cs + kvh * stride_ch          # [N]
+        kv_mask = pos_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
+        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale        # [M, N]
+        s = tl.where(pos_ok[None, :], s, float("-inf"))
+        acc, m_i, l_i = _online_softmax_update(acc, m_i, l_i, s, v, INPUT_PRECISION)
+
+    # ---- 2. the tree, under the ancestor mask (last split only) ------------------------------------------
+    # the mask is lower-triangular, so keys after the tile's last node are never visible: stop there
+    last_node = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // G, T - 1)
+    tree_end = tl.where(pid_s == NUM_SPLITS - 1, last_node + 1, 0)
+    for start_j in range(0, tree_end, BLOCK_N):
+        j = start_j + tl.arange(0, BLOCK_N)                               # [N] tree nodes
+        j_ok = j < T
+        kv_off = b * stride_tb + j.to(tl.int64) * stride_tt + kvh * stride_th
+        kv_mask = j_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_tree_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
+        v = tl.load(v_tree_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
+        vis = tl.load(mask_ptr + b * stride_mb + t[:, None] * T + j[None, :],
+                      mask=row_ok[:, None] & j_ok[None, :], other=0) != 0               # [M, N]
+        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+        s = tl.where(vis, s, float("-inf"))
+        acc, m_i, l_i = _online_softmax_update(acc, m_i, l_i, s, v, INPUT_PRECISION)
+
+    # ---- 3. normalise and store ---------------------------------------------------------------------------
+    l_safe = tl.where(l_i > 0, l_i, 1.0)        # l = 0 only for padding rows or an empty split
+    o = acc / l_safe[:, None]
+    o_mask = row_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + q_off[:, None] + d[None, :], o.to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        # partials [NUM_SPLITS, B, T, Hq, Dh] fp32 and their log2-sum-exp [NUM_SPLITS, B, T, Hq]
+        n_seq = tl.num_programs(1) // Hkv
+        r = ((pid_s * n_seq + b) * T + t) * Hq + h                       # [M] row in the partials
+        tl.store(part_ptr + r[:, None] * Dh + d[None, :], o, mask=o_mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(lse_ptr + r, lse, mask=row_ok)
+
+
+@triton.jit
+def _combine_splits_kernel(part_ptr, lse_ptr, out_ptr, R, Dh, NUM_SPLITS: tl.constexpr,
+                           BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[r] = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse); one program per output row."""
+    r = tl.program_id(0).to(tl.int64)           # row (b, t, h) of out [B, T, Hq, Dh]
+    s = tl.arange(0, BLOCK_S)
+    s_ok = s < NUM_SPLITS
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < Dh
+    lse = tl.load(lse_ptr + s * R + r, mask=s_ok, other=float("-inf"))   # [S]; the last split is finite
+    w = tl.exp2(lse - tl.max(lse, axis=0))                                # empty splits -> 0
+    o = tl.load(part_ptr + (s * R + r)[:, None] * Dh + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    o = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
+    tl.store(out_ptr + r * Dh + d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------------------------------------
+_COMPUTE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+def _interpreting():
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index):
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _pick_num_splits(programs, max_cache_len, device):
+    """Flash-decoding heuristic: split the cache only when the grid would leave the GPU idle.
+
+    Aim for ~2 programs per SM, but give each split at least 256 cached tokens (fewer and the combine's
+    extra traffic and the per-split tree pass stop paying for themselves). CPU / interpreter: 1.
+    """
+    if device.type != "cuda" or _interpreting():
+        return 1
+    target = 2 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    if programs >= target:
+        return 1
+    return max(1, min(triton.cdiv(target, programs), max_cache_len // 256, 64))
+
+
+def _tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask, sm_scale=None,
+                    num_splits=None, block_m=None, block_n=None):
+    """`tree_attention` with the tuning knobs exposed (tests force split-KV and small tiles through these)."""
+    check_tree_attention_inputs(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask)
+    if q.dtype not in _COMPUTE:
+        raise TypeError(f"tree_attention (Triton): dtype {q.dtype} is not supported; use fp32, fp16 or bf16 "
+                        "(mtp_triton.reference.tree_attention handles fp64)")
+    B, T, Hq, Dh = q.shape
+    _, BS, Hkv, _ = k_cache.shape
+    G = Hq // Hkv
+    scale = Dh ** -0.5 if sm_scale is None else float(sm_scale)
+    interp = _interpreting()
+
+    # tiles: the G * T rows of one KV head in query tiles of BLOCK_M; GPU dots need every dim >= 16
+    block_m = block_m or min(64, max(16, triton.next_power_of_2(G * T)))
+    block_n = block_n or (32 if interp else 64)
+    block_d = max(16, triton.next_power_of_2(Dh))
+    num_m = triton.cdiv(G * T, block_m)
+    if num_splits is None:
+        num_splits = _pick_num_splits(num_m * B * Hkv, int(cache_lens.max()), q.device)
+    if num_splits < 1:
+        raise ValueError(f"tree_attention: num_splits must be >= 1, got {num_splits}")
+
+    # the mask as bytes, [T, T] shared by the batch (batch stride 0) or [B, T, T]
+    mask = tree_mask.contiguous().view(torch.uint8)
+    stride_mb = 0 if mask.dim() == 2 else T * T
+    # fp32 inputs: exact fp32 dots (tf32 would cost ~1e-3 relative error); interpreter: fp32 (bf16 math broken)
+    compute = tl.float32 if interp else _COMPUTE[q.dtype]
+    precision = "ieee" if compute == tl.float32 else "tf32"
+
+    out = torch.empty_like(q)
+    if num_splits > 1:
+        part = torch.empty(num_splits, B, T, Hq, Dh, dtype=torch.float32, device=q.device)
+        lse = torch.empty(num_splits, B, T, Hq, dtype=torch.float32, device=q.device)
+    else:
+        part = lse = out                        # unused
+    grid = (num_m, B * Hkv, num_splits)
+    _tree_attention_kernel[grid](
+        q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, mask, out, part, lse,
+        T, Hq, Hkv, Dh, block_table.shape[1], scale * 1.4426950408889634,       # log2(e): softmax in base 2
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_tree.stride(0), k_tree.stride(1), k_tree.stride(2),
+        stride_mb,
+        G=G, BS=BS, NUM_SPLITS=num_splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        COMPUTE_DTYPE=compute, INPUT_PRECISION=precision,
+        num_warps=4, num_stages=2,
+    )
+    if num_splits > 1:
+        R = B * T * Hq
+        _combine_splits_kernel[(R,)](part, lse, out, R, Dh, NUM_SPLITS=num_splits,
+                                     BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_D=block_d)
+    return out
+
+
+def tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask, sm_scale=None):
+    """Attention of T tree nodes over a paged cache plus the tree itself (Triton).
+
+    out[b, i] = softmax(q_i [K_cache(b); K_tree(b)]^T * sm_scale, tree nodes masked by tree_mask[b, i]) V
+    q [B, T, Hq, Dh]; k_cache, v_cache [NB, BS, Hkv, Dh] (one layer, paged); block_table [B, max_blocks]
+    int32; cache_lens [B] int32 (0 allowed); k_tree, v_tree [B, T, Hkv, Dh]; tree_mask [T, T] or [B, T, T]
+    bool (reflexive, lower-triangular: node i sees itself and its ancestors); sm_scale defaults to Dh ** -0.5.
+    GQA: query head h uses KV head h // (Hq // Hkv). Returns out [B, T, Hq, Dh] in q's dtype.
+    fp32 / fp16 / bf16; fp64 raises TypeError. Same inputs are rejected as by the reference.
+    The split-KV count is chosen from the grid size and the longest cache (one host sync, as the
+    input check already does).
+    """
+    return _tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask, sm_scale)

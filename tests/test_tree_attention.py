@@ -1,0 +1,202 @@
+"""Tree attention over a paged cache: Triton kernel vs the PyTorch reference vs a dense SDPA computation.
+
+Every case builds a paged cache whose unused blocks and unused slots are NaN, with a shuffled block
+table, so a kernel that reads past a sequence's cache (or past the block it should use) returns NaN.
+Outputs are allocated NaN-filled (see `nan_alloc`), so a row the kernel forgets to write fails too.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import DEVICE, assert_close, poison
+
+from mtp_triton import reference
+from mtp_triton.kernels.tree_attention import _tree_attention, tree_attention
+from mtp_triton.tree import Tree
+
+
+# ---------------------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------------------
+def make_case(cache_lens, tree, Hq, Hkv, Dh, BS, dtype=torch.float32, seed=0, per_seq_masks=None):
+    """Random q / tree K/V and a paged cache (NaN outside the cached tokens, shuffled block table).
+
+    per_seq_masks: optional list of B [T, T] masks (different trees per sequence) instead of tree.mask.
+    """
+    g = torch.Generator().manual_seed(seed)
+    B = len(cache_lens)
+    T = tree.size if tree is not None else per_seq_masks[0].shape[0]
+    max_blocks = max((n + T + BS - 1) // BS for n in cache_lens) + 1      # room for the step, and a spare
+    NB = B * max_blocks + 2                                               # 2 blocks nobody uses
+    perm = torch.randperm(NB, generator=g)
+    block_table = perm[: B * max_blocks].view(B, max_blocks).to(torch.int32)
+    k_cache = poison((NB, BS, Hkv, Dh), torch.float32, "cpu")
+    v_cache = poison((NB, BS, Hkv, Dh), torch.float32, "cpu")
+    for b, n in enumerate(cache_lens):                                    # fill only the cached tokens
+        for pos in range(n):
+            blk, slot = int(block_table[b, pos // BS]), pos % BS
+            k_cache[blk, slot] = torch.randn(Hkv, Dh, generator=g)
+            v_cache[blk, slot] = torch.randn(Hkv, Dh, generator=g)
+    q = torch.randn(B, T, Hq, Dh, generator=g)
+    k_tree = torch.randn(B, T, Hkv, Dh, generator=g)
+    v_tree = torch.randn(B, T, Hkv, Dh, generator=g)
+    mask = tree.mask if per_seq_masks is None else torch.stack(per_seq_masks)
+    to = dict(device=DEVICE)
+    return dict(q=q.to(dtype=dtype, **to), k_cache=k_cache.to(dtype=dtype, **to), v_cache=v_cache.to(dtype=dtype, **to),
+                block_table=block_table.to(**to), cache_lens=torch.tensor(cache_lens, dtype=torch.int32, **to),
+                k_tree=k_tree.to(dtype=dtype, **to), v_tree=v_tree.to(dtype=dtype, **to), tree_mask=mask.to(**to))
+
+
+def dense_sdpa(c, sm_scale=None):
+    """Independent check: gather each sequence's cache position by position, then masked SDPA (fp32)."""
+    q, kc, vc, bt, lens = c["q"], c["k_cache"], c["v_cache"], c["block_table"], c["cache_lens"]
+    B, T, Hq, Dh = q.shape
+    BS, Hkv = kc.shape[1], kc.shape[2]
+    mask = c["tree_mask"].expand(B, T, T)
+    out = torch.empty(B, T, Hq, Dh, dtype=torch.float32, device=q.device)
+    for b in range(B):
+        n = int(lens[b])
+        pos = torch.arange(n, device=q.device)
+        blocks = bt[b].long()[pos // BS]
+        k = torch.cat([kc[blocks, pos % BS], c["k_tree"][b]]).float()    # [n + T, Hkv, Dh]
+        v = torch.cat([vc[blocks, pos % BS], c["v_tree"][b]]).float()
+        k = k.transpose(0, 1).repeat_interleave(Hq // Hkv, dim=0)        # [Hq, n + T, Dh]
+        v = v.transpose(0, 1).repeat_interleave(Hq // Hkv, dim=0)
+        visible = torch.cat([torch.ones(T, n, dtype=torch.bool, device=q.device), mask[b]], dim=1)
+        o = F.scaled_dot_product_attention(q[b].float().transpose(0, 1), k, v, attn_mask=visible, scale=sm_scale)
+        out[b] = o.transpose(0, 1)
+    return out
+
+
+@pytest.fixture
+def nan_alloc(monkeypatch):
+    """Make torch.empty / empty_like return NaN-filled float tensors while the test runs."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def fill(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: fill(empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: fill(empty_like(*a, **k)))
+
+
+BUSHY = Tree.from_choices([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0)])   # T = 9
+TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (4e-3, 4e-3), torch.bfloat16: (3e-2, 3e-2)}
+
+# (id, cache_lens, tree, Hq, Hkv, Dh, BS, dtype)
+CASES = [
+    ("B3-bushy9-GQA2-Dh24-BS16-fp32", [0, 17, 45], BUSHY, 4, 2, 24, 16, torch.float32),
+    ("B2-chain4-MHA3-Dh16-BS32-fp32", [33, 1], Tree.chain(4), 3, 3, 16, 32, torch.float32),
+    ("B4-T1-GQA4-Dh16-BS16-fp32", [0, 5, 31, 64], Tree.root_only(), 4, 1, 16, 16, torch.float32),
+    ("B2-bushy9-GQA3-Dh80-BS16-fp16", [19, 0], BUSHY, 3, 1, 80, 16, torch.float16),
+    ("B2-chain2-GQA2-Dh24-BS32-bf16", [40, 9], Tree.chain(2), 4, 2, 24, 32, torch.bfloat16),
+]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# correctness
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cache_lens,tree,Hq,Hkv,Dh,BS,dtype", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_matches_reference_and_sdpa(cache_lens, tree, Hq, Hkv, Dh, BS, dtype, nan_alloc):
+    c = make_case(cache_lens, tree, Hq, Hkv, Dh, BS, dtype)
+    out = tree_attention(**c)
+    assert out.dtype == dtype and out.shape == c["q"].shape
+    atol, rtol = TOL[dtype]
+    assert_close(out, reference.tree_attention(**c), atol, rtol, "kernel vs reference")
+    assert_close(out, dense_sdpa(c), atol, rtol, "kernel vs dense SDPA")
+
+
+def test_reference_matches_sdpa():
+    """The reference itself against the dense computation (the kernel tests lean on it)."""
+    c = make_case([0, 21, 50], BUSHY, 4, 2, 16, 16)
+    assert_close(reference.tree_attention(**c), dense_sdpa(c), 1e-5, 1e-5, "reference vs dense SDPA")
+
+
+def test_per_sequence_masks_and_sm_scale(nan_alloc):
+    """tree_mask [B, T, T]: a chain for one sequence, a star for the other; a custom sm_scale."""
+    chain, star = Tree.chain(4).mask, Tree.from_choices([(0,), (1,), (2,), (3,)]).mask      # both T = 5
+    c = make_case([12, 35], None, 4, 2, 16, 16, per_seq_masks=[chain, star])
+    out = tree_attention(**c, sm_scale=0.3)
+    assert_close(out, reference.tree_attention(**c, sm_scale=0.3), 2e-5, 2e-5, "per-sequence masks")
+    assert_close(out, dense_sdpa(c, sm_scale=0.3), 2e-5, 2e-5, "per-sequence masks vs SDPA")
+
+
+@pytest.mark.parametrize("num_splits,block_m,block_n", [(3, None, None), (2, 16, 16), (1, 16, 64)],
+                         ids=["split3", "split2-M16-N16", "split1-M16-N64"])
+def test_split_kv_and_small_tiles(num_splits, block_m, block_n, nan_alloc):
+    """Split-KV (flash-decoding) with an empty split for short caches; query tiles that cut a node's G
+    heads apart (G * T = 27 rows in 16-row tiles); key tiles smaller and larger than a block."""
+    c = make_case([0, 50, 7], BUSHY, 3, 1, 24, 32)
+    out = _tree_attention(**c, num_splits=num_splits, block_m=block_m, block_n=block_n)
+    assert_close(out, reference.tree_attention(**c), 2e-5, 2e-5, f"splits={num_splits}")
+    assert_close(out, dense_sdpa(c), 2e-5, 2e-5, f"splits={num_splits} vs SDPA")
+
+
+@pytest.mark.parametrize("block_m,block_n", [(None, None), (32, 16)], ids=["default-tiles", "M32-N16"])
+def test_prefill_causal(block_m, block_n, nan_alloc):
+    """The engine's prefill: no cache, a causal mask over many nodes, several query tiles (G = 3, so with
+    32-row tiles a tile spans nodes 10..21 and must read tree keys past the first 16-key tile)."""
+    T = 45
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    c = make_case([0], None, 3, 1, 16, 16, per_seq_masks=[causal])
+    c["tree_mask"] = c["tree_mask"][0]                                   # the [T, T] form
+    out = _tree_attention(**c, block_m=block_m, block_n=block_n)
+    assert_close(out, reference.tree_attention(**c), 2e-5, 2e-5, "prefill")
+    assert_close(out, dense_sdpa(c), 2e-5, 2e-5, "prefill vs SDPA")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# bad input: the kernel and the reference refuse the same things
+# ---------------------------------------------------------------------------------------------------------
+def _bad(name):
+    c = make_case([3, 20], Tree.chain(2), 4, 2, 16, 16)
+    if name == "not-lower-triangular":
+        m = c["tree_mask"].clone()
+        m[0, 2] = True
+        c["tree_mask"] = m
+    elif name == "not-reflexive":
+        m = c["tree_mask"].clone()
+        m[1, 1] = False
+        c["tree_mask"] = m
+    elif name == "Hq-not-multiple-of-Hkv":
+        c["q"] = torch.randn(2, 3, 3, 16, device=DEVICE)
+    elif name == "block-table-too-short":
+        c["block_table"] = c["block_table"][:, :1].contiguous()          # 16 slots < 20 + 3
+    elif name == "cache-lens-int64":
+        c["cache_lens"] = c["cache_lens"].long()
+    return c
+
+
+BAD = {"not-lower-triangular": "lower-triangular", "not-reflexive": "reflexive",
+       "Hq-not-multiple-of-Hkv": "multiple of Hkv", "block-table-too-short": "room for",
+       "cache-lens-int64": "cache_lens must be int32"}
+
+
+@pytest.mark.parametrize("fn", [tree_attention, reference.tree_attention], ids=["triton", "reference"])
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_input(name, fn):
+    with pytest.raises(ValueError, match=BAD[name]):
+        fn(**_bad(name))
+
+
+def test_fp64_refused_by_kernel():
+    c = make_case([3], Tree.chain(1), 2, 1, 16, 16, dtype=torch.float64)
+    with pytest.raises(TypeError, match="fp64|float64"):
+        tree_attention(**c)
+    assert reference.tree_attention(**c).dtype == torch.float64          # the reference handles fp64
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GPU: real tensor-core dots (bf16 / fp16), realistic sizes, the split heuristic
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("cache_lens,Hq,Hkv", [([1000, 0, 3000, 77], 32, 8), ([8191], 32, 32)],
+                         ids=["B4-GQA4", "B1-MHA-split"])
+def test_gpu_llama_shapes(cache_lens, Hq, Hkv, dtype):
+    tree = Tree.from_choices(Tree.from_accuracies([[0.6 * 0.75 ** h * 0.5 ** r for r in range(10)]
+                                                   for h in range(4)], 63).paths[1:])
+    c = make_case(cache_lens, tree, Hq, Hkv, 128, 16, dtype)
+    out = tree_attention(**c)
+    tol = {torch.float16: 2e-2, torch.bfloat16: 4e-2, torch.float32: 1e-4}[dtype]
+    assert_close(out, reference.tree_attention(**c), tol, tol, "GPU vs reference")
