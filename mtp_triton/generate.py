@@ -183,6 +183,9 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
         torch.cuda.reset_peak_memory_stats(dev)
         energy0 = _gpu_energy_j(dev)
     timer = _PhaseTimer(dev)
+    # The kernels' value checks read tensors (a host sync each on a GPU). The loop builds every input itself
+    # (validated tree, its own block tables and lengths), so on a GPU they are skipped inside the loop.
+    check = dev.type != "cuda"
     t_start = time.perf_counter()
 
     cache = model.new_cache([len(p) + max_new_tokens + full_tree.size for p in prompts], block_size)
@@ -219,9 +222,8 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
             pruned[max_d] = _prune(full_tree, max_d)
         step_tree = pruned[max_d]
         T = step_tree.size
-        parents = step_tree.parents[None, :].repeat(A, 1)                  # [A, T]
-        allowed_t = torch.tensor(allowed, device=dev)
-        parents[step_tree.depth[None, :] > allowed_t[:, None]] = -1        # switch off deeper nodes per sequence
+        allowed_t = torch.tensor(allowed, device=dev)                      # switch off deeper nodes per sequence
+        parents = torch.where(step_tree.depth[None, :] > allowed_t[:, None], -1, step_tree.parents[None, :])  # [A, T]
 
         # ---- draft: all heads in one launch from the hidden state at the deepest accepted node ----
         t0 = timer.start()
@@ -237,7 +239,7 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
         # ---- verify: one forward over the root + drafts; each node sees the cache and its ancestors ----
         t0 = timer.start()
         positions = cache.cache_lens[rows].long()[:, None] + step_tree.depth[None, :]
-        h_tree, k_tree, v_tree = model.forward_tree(draft, positions, step_tree.mask, cache, rows, ops)
+        h_tree, k_tree, v_tree = model.forward_tree(draft, positions, step_tree.mask, cache, rows, ops, check)
         logits = model.logits(h_tree)                                        # [A, T, V]
         timer.stop("verify", t0)
 
@@ -245,19 +247,20 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
         t0 = timer.start()
         if temperature == 0:
             target = logits.float().argmax(-1)                               # [A, T]
-            accept_len, accept_nodes, bonus = ops.tree_accept(draft, parents, target)
+            accept_len, accept_nodes, bonus = ops.tree_accept(draft, parents, target, check_values=check)
         else:
             probs = logits_to_probs(logits, temperature, top_p).contiguous()
             u_acc = torch.rand(A, T, generator=gen, device=dev, dtype=probs.dtype)
             u_smp = torch.rand(A, generator=gen, device=dev, dtype=probs.dtype)
-            accept_len, accept_nodes, bonus = ops.tree_accept_sample(draft, parents, probs, u_acc, u_smp)
+            accept_len, accept_nodes, bonus = ops.tree_accept_sample(draft, parents, probs, u_acc, u_smp,
+                                                                     check_values=check)
         timer.stop("accept", t0)
 
         # ---- append: K/V of the root and accepted nodes go to the next cache positions ----
         t0 = timer.start()
         block_table = cache.block_table[rows]
         ops.kv_append(cache.k, cache.v, block_table, cache.cache_lens[rows], k_tree, v_tree, accept_nodes,
-                      accept_len)
+                      accept_len, check_values=check)
         cache.cache_lens[rows] += (accept_len + 1).to(torch.int32)
         last = accept_nodes.gather(1, accept_len[:, None])[:, 0]             # deepest accepted node
         hidden[rows] = h_tree[torch.arange(A, device=dev), last]

@@ -180,12 +180,14 @@ class LlamaEngine(nn.Module):
         return emb.cos().to(self.dtype)[:, :, None, :], emb.sin().to(self.dtype)[:, :, None, :]
 
     @torch.no_grad()
-    def forward_tree(self, tokens, positions, tree_mask, cache, rows, ops):
+    def forward_tree(self, tokens, positions, tree_mask, cache, rows, ops, check_values=True):
         """Run T nodes per sequence through all layers.
 
         tokens, positions [B, T] int64; tree_mask [T, T] or [B, T, T] bool; rows [B] int64: which cache
         sequences these are. Returns the final-norm hidden states [B, T, D] and the new K/V as tree buffers
         k_tree, v_tree [L, B, T, Hkv, Dh] (not yet in the cache: `kv_append` copies the accepted ones).
+        The kernels' value checks (host syncs on a GPU) run on the first layer only, and not at all with
+        check_values=False: the inputs are the same for every layer.
         """
         cfg = self.config
         B, T = tokens.shape
@@ -204,7 +206,8 @@ class LlamaEngine(nn.Module):
             k = k * cos + rotate_half(k) * sin
             k_tree[l], v_tree[l] = k, v
             o = ops.tree_attention(q.contiguous(), cache.k[l], cache.v[l], block_table, cache_lens,
-                                   k_tree[l], v_tree[l], tree_mask)            # [B, T, Hq, Dh]
+                                   k_tree[l], v_tree[l], tree_mask,
+                                   check_values=check_values and l == 0)       # [B, T, Hq, Dh]
             x = x + blk.o_proj(o.reshape(B, T, Hq * Dh))
             h = blk.post_attention_layernorm(x)
             x = x + blk.down_proj(F.silu(blk.gate_proj(h)) * blk.up_proj(h))

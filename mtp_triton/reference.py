@@ -2,7 +2,9 @@
 
 These are the specification: readable, computed in at least fp32 (fp64 stays fp64 so parity
 tests against `transformers` can be exact), and used by the engine when ``kernels="torch"``.
-Shapes: B batch, T tree nodes (node 0 = root), H heads, D hidden, V vocab, L layers,
+`check_values=False` (keyword-only, on the four functions whose checks read tensor values) skips those
+checks — host syncs on a GPU — for callers that built the inputs themselves; shapes/dtypes/devices are
+always checked. Shapes: B batch, T tree nodes (node 0 = root), H heads, D hidden, V vocab, L layers,
 Hq/Hkv query/key-value heads, Dh head dim, NB cache blocks, BS block size.
 """
 import torch
@@ -39,7 +41,8 @@ def fused_draft(hidden, res_weight, res_bias, lm_head, top_k):
     return ids, logp.gather(-1, ids).float()
 
 
-def tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask, sm_scale=None):
+def tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask, sm_scale=None, *,
+                   check_values=True):
     """Attention of T tree nodes over a paged cache plus the tree itself.
 
     Node i of sequence b attends to the cache_lens[b] cached tokens (all visible) and to tree node j
@@ -50,7 +53,8 @@ def tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree,
     cache_lens [B] int32; k_tree, v_tree [B, T, Hkv, Dh]; tree_mask [T, T] or [B, T, T] bool.
     returns out [B, T, Hq, Dh] in q's dtype.
     """
-    mask = check_tree_attention_inputs(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask)
+    mask = check_tree_attention_inputs(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask,
+                                       values=check_values)
     B, T, Hq, Dh = q.shape
     BS, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
@@ -98,7 +102,7 @@ def _path_to(parents, last):
     return accept_len, nodes
 
 
-def tree_accept(draft_tokens, parents, target_tokens):
+def tree_accept(draft_tokens, parents, target_tokens, *, check_values=True):
     """Greedy tree acceptance (Medusa / SpecInfer).
 
     Node i > 0 is accepted iff its parent p is accepted and draft_tokens[i] == target_tokens[p];
@@ -107,7 +111,7 @@ def tree_accept(draft_tokens, parents, target_tokens):
     draft_tokens [B, T] int64; parents [T] or [B, T] int64; target_tokens [B, T] int64.
     returns accept_len [B] int64, accept_nodes [B, T] int64 (path from root, -1 padded), next_token [B] int64.
     """
-    parents = check_tree_accept_inputs(draft_tokens, parents, target_tokens)
+    parents = check_tree_accept_inputs(draft_tokens, parents, target_tokens, values=check_values)
     B, T = draft_tokens.shape
     accepted = torch.zeros(B, T, dtype=torch.bool, device=draft_tokens.device)
     accepted[:, 0] = True
@@ -136,7 +140,7 @@ def sample_from_probs(probs, u):
     return torch.minimum(ids, last_nz)
 
 
-def tree_accept_sample(draft_tokens, parents, target_probs, u_accept, u_sample):
+def tree_accept_sample(draft_tokens, parents, target_probs, u_accept, u_sample, *, check_values=True):
     """Lossless tree acceptance at temperature > 0 (sibling-wise rejection sampling, SpecInfer/EAGLE).
 
     Walk from the root. At node n with target distribution p = target_probs[n], try the children of n
@@ -149,7 +153,8 @@ def tree_accept_sample(draft_tokens, parents, target_probs, u_accept, u_sample):
     compared with this reference exactly.
     returns accept_len [B], accept_nodes [B, T], next_token [B] (as tree_accept).
     """
-    parents = check_tree_accept_sample_inputs(draft_tokens, parents, target_probs, u_accept, u_sample)
+    parents = check_tree_accept_sample_inputs(draft_tokens, parents, target_probs, u_accept, u_sample,
+                                              values=check_values)
     B, T = draft_tokens.shape
     acc = _acc_dtype(target_probs.dtype)
     accept_len = torch.zeros(B, dtype=torch.int64, device=draft_tokens.device)
@@ -178,14 +183,16 @@ def tree_accept_sample(draft_tokens, parents, target_probs, u_accept, u_sample):
     return accept_len, accept_nodes, next_token
 
 
-def kv_append(k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, accept_nodes, accept_len):
+def kv_append(k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, accept_nodes, accept_len, *,
+              check_values=True):
     """Copy the root's and accepted nodes' K/V into the paged cache, every layer, in place.
 
     For layer l, sequence b and j = 0..accept_len[b]: node n = accept_nodes[b, j] goes to position
     pos = cache_lens[b] + j, i.e. block block_table[b, pos // BS], slot pos % BS.
     k_cache, v_cache [L, NB, BS, Hkv, Dh]; k_tree, v_tree [L, B, T, Hkv, Dh]. cache_lens is not changed.
     """
-    check_kv_append_inputs(k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, accept_nodes, accept_len)
+    check_kv_append_inputs(k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, accept_nodes, accept_len,
+                           values=check_values)
     BS = k_cache.shape[2]
     B = k_tree.shape[1]
     for b in range(B):

@@ -207,7 +207,7 @@ def test_sampling_check_catches_a_broken_acceptance(peaked, monkeypatch):
     """The same check fails when acceptance is subtly wrong (uniforms halved: drafts over-accepted)."""
     real = mt.reference.tree_accept_sample
     monkeypatch.setattr(mt.reference, "tree_accept_sample",
-                        lambda d, p, probs, ua, us: real(d, p, probs, ua * 0.5, us))
+                        lambda d, p, probs, ua, us, **kw: real(d, p, probs, ua * 0.5, us, **kw))
     chi2, limit, _, _ = _chi2_vs_exact(*peaked, "medusa-16")
     assert chi2 > limit
 

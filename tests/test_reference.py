@@ -178,3 +178,21 @@ def test_top_p():
     assert_close(logits_to_probs(logits, 1.0, 1.0), torch.tensor([[0.5, 0.3, 0.15, 0.05]]), 1e-6, 1e-6)
     with pytest.raises(ValueError):
         logits_to_probs(logits, 0.0)
+
+
+def test_check_values_false_skips_only_value_checks():
+    """check_values=False (the engine's GPU hot loop) skips checks that read values, never shape checks."""
+    g = torch.Generator().manual_seed(0)
+    k_cache, v_cache, table, lens, _, _ = _paged(1, [4], 2, 8, 16, 3, g)
+    q, kt = torch.randn(1, 3, 4, 8), torch.randn(1, 3, 2, 8)
+    bad_mask = torch.ones(3, 3, dtype=torch.bool)                       # not lower-triangular
+    with pytest.raises(ValueError, match="lower-triangular"):
+        ref.tree_attention(q, k_cache, v_cache, table, lens, kt, kt, bad_mask)
+    ref.tree_attention(q, k_cache, v_cache, table, lens, kt, kt, bad_mask, check_values=False)
+    with pytest.raises(ValueError, match="k_tree"):
+        ref.tree_attention(q, k_cache, v_cache, table, lens, kt[:, :2], kt, bad_mask, check_values=False)
+    with pytest.raises(ValueError, match="parents"):
+        ref.tree_accept(torch.zeros(1, 3, dtype=torch.long), torch.tensor([-1, 2, 0]), torch.zeros(1, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="target_tokens"):
+        ref.tree_accept(torch.zeros(1, 3, dtype=torch.long), torch.tensor([-1, 0, 0]), torch.zeros(1, 2, dtype=torch.long),
+                        check_values=False)

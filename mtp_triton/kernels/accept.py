@@ -45,7 +45,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 
-def check_parents(parents, B, T, who="tree_accept"):
+def check_parents(parents, B, T, who="tree_accept", values=True):
     """parents [T] or [B, T] int64: parents[.., 0] = -1; for i > 0, -1 (unused node) or 0 <= p < i.
 
     An unused node (parent -1) can have no used children. Returns parents expanded to [B, T].
@@ -56,6 +56,8 @@ def check_parents(parents, B, T, who="tree_accept"):
         parents = parents.unsqueeze(0).expand(B, -1)
     if tuple(parents.shape) != (B, T):
         raise ValueError(f"{who}: parents must be [{T}] or [{B}, {T}], got {tuple(parents.shape)}")
+    if not values:
+        return parents
     if bool((parents[:, 0] != -1).any()):
         raise ValueError(f"{who}: parents[.., 0] must be -1 (node 0 is the root)")
     idx = torch.arange(T, device=parents.device)
@@ -80,7 +82,7 @@ def _check_tokens(draft_tokens, B_T=None, who="tree_accept"):
     return B, T
 
 
-def check_tree_accept_inputs(draft_tokens, parents, target_tokens):
+def check_tree_accept_inputs(draft_tokens, parents, target_tokens, values=True):
     """draft_tokens [B, T] int64; parents [T] or [B, T] int64; target_tokens [B, T] int64."""
     B, T = _check_tokens(draft_tokens)
     if not isinstance(target_tokens, torch.Tensor) or target_tokens.dtype != torch.int64 or \
@@ -88,10 +90,10 @@ def check_tree_accept_inputs(draft_tokens, parents, target_tokens):
         raise ValueError(f"tree_accept: target_tokens must be int64 [{B}, {T}]")
     if len({draft_tokens.device, parents.device, target_tokens.device}) != 1:
         raise ValueError("tree_accept: all tensors must be on one device")
-    return check_parents(parents, B, T)
+    return check_parents(parents, B, T, values=values)
 
 
-def check_tree_accept_sample_inputs(draft_tokens, parents, target_probs, u_accept, u_sample):
+def check_tree_accept_sample_inputs(draft_tokens, parents, target_probs, u_accept, u_sample, values=True):
     """draft_tokens [B, T] int64; parents [T] or [B, T]; target_probs [B, T, V] float (rows sum to 1);
     u_accept [B, T] float in [0, 1) (entry 0 unused); u_sample [B] float in [0, 1)."""
     who = "tree_accept_sample"
@@ -109,9 +111,9 @@ def check_tree_accept_sample_inputs(draft_tokens, parents, target_probs, u_accep
         if not t.is_contiguous():
             raise ValueError(f"{who}: {name} must be contiguous")
     V = target_probs.shape[2]
-    if T > 1 and (bool((draft_tokens[:, 1:] < 0).any()) or bool((draft_tokens[:, 1:] >= V).any())):
+    if values and T > 1 and (bool((draft_tokens[:, 1:] < 0).any()) or bool((draft_tokens[:, 1:] >= V).any())):
         raise ValueError(f"{who}: draft token ids must be in [0, V={V})")
-    return check_parents(parents, B, T, who)
+    return check_parents(parents, B, T, who, values)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -237,7 +239,7 @@ def _parents_arg(parents, B, T):
     return parents, (0 if parents.dim() == 1 else T)
 
 
-def tree_accept(draft_tokens, parents, target_tokens):
+def tree_accept(draft_tokens, parents, target_tokens, *, check_values=True):
     """Greedy tree acceptance (Triton), one program per sequence.
 
     Node i > 0 is accepted iff its parent p is accepted and draft_tokens[i] == target_tokens[p]; the root
@@ -247,7 +249,7 @@ def tree_accept(draft_tokens, parents, target_tokens):
     Returns accept_len [B] int64, accept_nodes [B, T] int64 (root 0, accepted nodes by depth, -1 padded),
     next_token [B] int64 — exactly as `mtp_triton.reference.tree_accept`.
     """
-    check_tree_accept_inputs(draft_tokens, parents, target_tokens)
+    check_tree_accept_inputs(draft_tokens, parents, target_tokens, values=check_values)
     B, T = draft_tokens.shape
     parents, stride_pb = _parents_arg(parents, B, T)
     dev = draft_tokens.device
@@ -261,7 +263,7 @@ def tree_accept(draft_tokens, parents, target_tokens):
     return accept_len, accept_nodes, next_token
 
 
-def tree_accept_sample(draft_tokens, parents, target_probs, u_accept, u_sample):
+def tree_accept_sample(draft_tokens, parents, target_probs, u_accept, u_sample, *, check_values=True):
     """Lossless tree acceptance at temperature > 0 (Triton): sibling-wise rejection, then residual sampling.
 
     draft_tokens [B, T] int64; parents [T] or [B, T] int64; target_probs [B, T, V] float (already after
@@ -270,7 +272,7 @@ def tree_accept_sample(draft_tokens, parents, target_probs, u_accept, u_sample):
     (int64), the same decisions as `mtp_triton.reference.tree_accept_sample` for the same random numbers.
     Sums in fp32 (fp64 for fp64 target_probs), the acceptance comparison in fp64.
     """
-    check_tree_accept_sample_inputs(draft_tokens, parents, target_probs, u_accept, u_sample)
+    check_tree_accept_sample_inputs(draft_tokens, parents, target_probs, u_accept, u_sample, values=check_values)
     B, T, V = target_probs.shape
     parents, stride_pb = _parents_arg(parents, B, T)
     dev = draft_tokens.device

@@ -39,7 +39,8 @@ import triton
 import triton.language as tl
 
 
-def check_kv_append_inputs(k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, accept_nodes, accept_len):
+def check_kv_append_inputs(k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, accept_nodes, accept_len,
+                           values=True):
     """k_cache, v_cache [L, NB, BS, Hkv, Dh]; block_table [B, max_blocks] int32; cache_lens [B] int32;
     k_tree, v_tree [L, B, T, Hkv, Dh]; accept_nodes [B, T] int64; accept_len [B] int64 in [0, T).
 
@@ -81,6 +82,8 @@ def check_kv_append_inputs(k_cache, v_cache, block_table, cache_lens, k_tree, v_
             raise ValueError(f"{who}: {name} must be contiguous (call .contiguous())")
     if B == 0:
         return 0
+    if not values:
+        return T                                                         # an upper bound on accept_len + 1
     # Value checks, all computed on the tensors' device and brought back in ONE sync.
     j = torch.arange(T, device=accept_nodes.device)
     live = j[None, :] <= accept_len[:, None]                             # [B, T] tokens to write
@@ -176,7 +179,8 @@ def _launch_kv_append(k_cache, v_cache, block_table, cache_lens, k_tree, v_tree,
     )
 
 
-def kv_append(k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, accept_nodes, accept_len):
+def kv_append(k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, accept_nodes, accept_len, *,
+              check_values=True):
     """Copy the root's and accepted nodes' K/V into the paged cache, every layer, in place — ONE launch.
 
     For layer l, sequence b and j = 0..accept_len[b]: node n = accept_nodes[b, j] goes to position
@@ -187,6 +191,6 @@ def kv_append(k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, accept_
     The checks cost one host sync; ``_launch_kv_append`` skips them.
     """
     n_tok = check_kv_append_inputs(k_cache, v_cache, block_table, cache_lens, k_tree, v_tree,
-                                   accept_nodes, accept_len)
+                                   accept_nodes, accept_len, values=check_values)
     _launch_kv_append(k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, accept_nodes, accept_len,
                       max_tokens=n_tok)

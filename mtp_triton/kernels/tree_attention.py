@@ -55,7 +55,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 
-def check_tree_attention_inputs(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask):
+def check_tree_attention_inputs(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask,
+                                values=True):
     """Validate ``tree_attention`` arguments (shapes, dtypes, devices, and the mask/table values).
 
     q [B, T, Hq, Dh]; k_cache, v_cache [NB, BS, Hkv, Dh]; block_table [B, max_blocks] int32;
@@ -104,6 +105,8 @@ def check_tree_attention_inputs(q, k_cache, v_cache, block_table, cache_lens, k_
         if not named[name].is_contiguous():
             raise ValueError(f"tree_attention: {name} must be contiguous (call .contiguous())")
     mask = tree_mask.expand(B, T, T)
+    if not values:
+        return mask
     eye = torch.eye(T, dtype=torch.bool, device=mask.device)
     if not bool(mask[:, eye].all()):
         raise ValueError("tree_attention: tree_mask must be reflexive (every node sees itself)")
@@ -269,9 +272,10 @@ def _pick_num_splits(programs, max_cache_len, device):
 
 
 def _tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask, sm_scale=None,
-                    num_splits=None, block_m=None, block_n=None):
+                    num_splits=None, block_m=None, block_n=None, check_values=True):
     """`tree_attention` with the tuning knobs exposed (tests force split-KV and small tiles through these)."""
-    check_tree_attention_inputs(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask)
+    check_tree_attention_inputs(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask,
+                                values=check_values)
     if q.dtype not in _COMPUTE:
         raise TypeError(f"tree_attention (Triton): dtype {q.dtype} is not supported; use fp32, fp16 or bf16 "
                         "(mtp_triton.reference.tree_attention handles fp64)")
@@ -287,7 +291,9 @@ def _tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree
     block_d = max(16, triton.next_power_of_2(Dh))
     num_m = triton.cdiv(G * T, block_m)
     if num_splits is None:
-        num_splits = _pick_num_splits(num_m * B * Hkv, int(cache_lens.max()), q.device)
+        # sized by the block table's capacity (an upper bound on every cache_len, known without a host
+        # sync); splits past a sequence's cache_len hold only the tree and cost one tile each
+        num_splits = _pick_num_splits(num_m * B * Hkv, block_table.shape[1] * BS, q.device)
     if num_splits < 1:
         raise ValueError(f"tree_attention: num_splits must be >= 1, got {num_splits}")
 
@@ -323,7 +329,8 @@ def _tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree
     return out
 
 
-def tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask, sm_scale=None):
+def tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask, sm_scale=None, *,
+                   check_values=True):
     """Attention of T tree nodes over a paged cache plus the tree itself (Triton).
 
     out[b, i] = softmax(q_i [K_cache(b); K_tree(b)]^T * sm_scale, tree nodes masked by tree_mask[b, i]) V
@@ -332,7 +339,10 @@ def tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree,
     bool (reflexive, lower-triangular: node i sees itself and its ancestors); sm_scale defaults to Dh ** -0.5.
     GQA: query head h uses KV head h // (Hq // Hkv). Returns out [B, T, Hq, Dh] in q's dtype.
     fp32 / fp16 / bf16; fp64 raises TypeError. Same inputs are rejected as by the reference.
-    The split-KV count is chosen from the grid size and the longest cache (one host sync, as the
-    input check already does).
+    The split-KV count is chosen from the grid size and the block table's capacity (no host sync).
+    check_values=False skips the checks that read tensor values (mask structure, cache lengths, block ids:
+    host syncs on a GPU); shapes, dtypes and devices are always checked. For callers that built the inputs
+    themselves (the engine's hot loop).
     """
-    return _tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask, sm_scale)
+    return _tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask, sm_scale,
+                           check_values=check_values)
