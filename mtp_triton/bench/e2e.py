@@ -1,0 +1,460 @@
+"""End-to-end A/B on the same weights: our engine serial vs MTP, and Hugging Face `generate()` as an outside
+serial baseline.
+
+    python -m mtp_triton.bench.e2e --out results/e2e.csv                   # the embedded model (real heads)
+    python -m mtp_triton.bench.e2e --shape llama7b --out results/e2e.csv   # Llama-7B-shaped random weights, bf16 (GPU)
+
+What is timed (gpt-fast's convention): decode tokens/s = (new tokens − 1 per sequence) / (wall time − time to
+first token), summed over the prompts; warm-up runs are not timed. Hugging Face is timed the same way:
+generate(max_new_tokens=N) minus generate(max_new_tokens=1) on the same prompt, so both sides exclude prefill.
+
+Targets (`load_target`):
+  embedded  data/tiny-stdlib-llama with its trained heads; until that checkpoint exists, a tiny random stand-in
+            with random heads (labelled as such: its acceptance is ~0, so MTP can only lose).
+  llama7b   Llama-2-7B's shape (32 layers, D 4096, V 32000) with random weights in bf16 — GPU only; on CPU
+            `quick=True` swaps in a tiny shape to exercise the path. Random heads would accept nothing, so its
+            drafts come from the SYNTHETIC `OracleDrafter` at a chosen per-depth acceptance (`parse_profile`):
+            verification stays real, only the drafter is simulated, which isolates the runtime's own cost.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..drafters import OracleDrafter
+from ..generate import generate
+from ..model import LlamaEngine, ModelConfig
+from ..tree import Tree, get_tree
+from .common import append_rows, env_info
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EMBEDDED = os.path.join(ROOT, "data", "tiny-stdlib-llama")
+PROMPTS = os.path.join(ROOT, "data", "prompts", "thirdparty_code.jsonl")
+
+# Llama-2-7B (Touvron et al. 2023): 6.7 B parameters, 13.5 GB in bf16.
+LLAMA7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=32, head_dim=128, rms_norm_eps=1e-5,
+               max_position_embeddings=4096)
+# The same proportions, tiny: exercises the llama7b path on CPU (--quick). Not a 7B measurement.
+LLAMA7B_TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=4, head_dim=16, rms_norm_eps=1e-5,
+                    max_position_embeddings=1024)
+# Stand-in for the embedded model until data/tiny-stdlib-llama has weights (vocab of its tokenizer).
+EMBEDDED_STANDIN = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                        max_position_embeddings=2048)
+
+# Per-depth acceptance profiles for the synthetic drafter: the probability that depth d's top-1 draft is right
+# given its parent was (constant over depth here). seed80: the second seed's "about 80 % draft acceptance";
+# deepseek85/90: DeepSeek-V3's 85–90 % second-token acceptance, extended to every depth (an optimistic reading).
+PROFILES = {"seed80": 0.80, "deepseek85": 0.85, "deepseek90": 0.90}
+ORACLE_DEPTH = 8
+
+
+def parse_profile(spec, depth=ORACLE_DEPTH):
+    """'seed80' | '0.7' | '0.9/0.8/0.7' -> (label, [p_1 .. p_depth]); a short list repeats its last entry."""
+    if spec in PROFILES:
+        return spec, [PROFILES[spec]] * depth
+    try:
+        ps = [float(x) for x in str(spec).split("/")]
+    except ValueError:
+        raise ValueError(f"unknown acceptance profile {spec!r}: use one of {sorted(PROFILES)}, a probability "
+                         "like 0.8, or per-depth values like 0.9/0.8/0.7") from None
+    if not ps or not all(0.0 <= p <= 1.0 for p in ps):
+        raise ValueError(f"acceptance profile {spec!r}: entries must be probabilities in [0, 1]")
+    ps = (ps + [ps[-1]] * depth)[:depth]
+    return f"p{spec}", ps
+
+
+def oracle_acc(profile, top_k=2):
+    """Per-head, per-rank accuracies acc [H, top_k] of `OracleDrafter` at this profile.
+
+    The oracle puts the true token at rank 0 with probability p_h, else at rank 1 with probability p_h, and
+    never at a lower rank: acc[h, 0] = p_h, acc[h, 1] = (1 − p_h) p_h, acc[h, r >= 2] = 0.
+    """
+    p = torch.tensor(profile, dtype=torch.float64)
+    acc = torch.zeros(len(profile), top_k, dtype=torch.float64)
+    acc[:, 0] = p
+    if top_k > 1:
+        acc[:, 1] = (1 - p) * p
+    return acc
+
+
+def gpu_energy_j(device):
+    """Cumulative GPU energy in J from NVML (None where it cannot be read: CPU, no pynvml, old GPU)."""
+    if torch.device(device).type != "cuda":
+        return None
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(torch.device(device).index or 0)
+        return pynvml.nvmlDeviceGetTotalEnergyConsumption(h) * 1e-3          # mJ -> J
+    except Exception:
+        return None
+
+
+def _sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---- targets ----------------------------------------------------------------------------------------------
+@dataclass
+class Target:
+    """A model to measure, with its prompts and where its drafts come from."""
+    suite: str                  # "embedded" | "llama7b"
+    model: LlamaEngine
+    prompts: list               # list of token-id lists
+    description: str            # one line: what this is (and what it is not)
+    heads: object = None        # MTPHeads, or None when drafts are synthetic
+    heads_dir: str = None
+    eos_token_id: object = None
+    random_weights: bool = False
+    info: dict = field(default_factory=dict)
+
+    @property
+    def prompt_len(self):
+        return round(sum(len(p) for p in self.prompts) / len(self.prompts), 1)
+
+    def row(self):
+        """The columns every measured row of this target carries."""
+        m = self.model
+        return dict(suite=self.suite, model=self.description, model_params_M=round(
+            sum(p.numel() for p in m.parameters()) / 1e6, 2), dtype=str(m.dtype).replace("torch.", ""),
+            layers=m.config.num_hidden_layers, hidden=m.config.hidden_size, vocab=m.config.vocab_size,
+            num_prompts=len(self.prompts), prompt_len=self.prompt_len)
+
+
+def has_embedded(path=EMBEDDED):
+    """True when `path` holds a loadable checkpoint (config.json, *.safetensors) and heads/."""
+    return (os.path.exists(os.path.join(path, "config.json"))
+            and any(f.endswith(".safetensors") for f in os.listdir(path))
+            and os.path.exists(os.path.join(path, "heads", "heads.safetensors")))
+
+
+def random_engine(cfg, device, dtype, seed=0):
+    """A LlamaEngine with seeded random weights, built directly on `device` (a 7B model never touches the CPU)."""
+    cfg = cfg if isinstance(cfg, ModelConfig) else ModelConfig(**cfg)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaEngine(cfg)
+    return model.to(dtype).eval()
+
+
+def _code_prompts(tokenizer, n, prompt_len):
+    """The first n prompts of data/prompts, tokenized, each cut to its last prompt_len tokens."""
+    from ..demo import read_prompts
+    texts = [r["text"] for r in read_prompts(PROMPTS, n)]
+    return [tokenizer(t)["input_ids"][-prompt_len:] for t in texts]
+
+
+def _random_prompts(vocab, n, prompt_len, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n, prompt_len), generator=g).tolist()
+
+
+def load_target(suite, model_path=EMBEDDED, device=None, quick=False, num_prompts=None, prompt_len=None,
+                seed=0):
+    """Build the model to measure. Raises RuntimeError (with the reason) when a suite cannot run here."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    gpu = device.type == "cuda"
+    if suite == "embedded":
+        n, plen = num_prompts or (1 if quick else 4), prompt_len or (24 if quick else 128)
+        if has_embedded(model_path):
+            from ..demo import load_embedded
+            model, heads, tok = load_embedded(model_path, device=device)
+            return Target("embedded", model, _code_prompts(tok, n, plen),
+                          f"{os.path.basename(os.path.normpath(model_path))} (trained heads)", heads=heads,
+                          heads_dir=os.path.join(model_path, "heads"), eos_token_id=tok.eos_token_id)
+        from ..heads import init_heads
+        model = random_engine(EMBEDDED_STANDIN, device, torch.float32, seed)
+        try:
+            from transformers import AutoTokenizer
+            prompts = _code_prompts(AutoTokenizer.from_pretrained(EMBEDDED), n, plen)
+        except Exception:
+            prompts = _random_prompts(model.config.vocab_size, n, plen, seed)
+        return Target("embedded", model, prompts, "tiny random stand-in (embedded model not found; random heads)",
+                      heads=init_heads(model, 4, seed=seed), random_weights=True)
+    if suite == "llama7b":
+        if not gpu and not quick:
+            raise RuntimeError("llama7b: a 7B model in bf16 needs a GPU (13.5 GB of weights); skipped on CPU "
+                               "(use --quick to exercise the path at a tiny shape)")
+        shape = LLAMA7B_TINY if quick and not gpu else LLAMA7B
+        dtype = torch.bfloat16 if gpu else torch.float32
+        n, plen = num_prompts or (1 if quick else 2), prompt_len or (16 if quick else 128)
+        model = random_engine(shape, device, dtype, seed)
+        name = "Llama-7B shape, random weights" if shape is LLAMA7B else "Llama-7B proportions, TINY (CPU path check)"
+        return Target("llama7b", model, _random_prompts(model.config.vocab_size, n, plen, seed), name,
+                      random_weights=True)
+    raise ValueError(f"unknown suite {suite!r} (embedded | llama7b)")
+
+
+# ---- drafting sources -------------------------------------------------------------------------------------
+@dataclass
+class Drafting:
+    """Where MTP drafts come from: trained heads, or the synthetic oracle at a per-depth profile."""
+    label: str
+    num_heads: int
+    heads: object = None
+    profile: list = None        # oracle only
+    acc: object = None          # [H, K] per-head, per-rank accuracies, when known (the analytic model uses them)
+    seed: int = 0
+
+    @property
+    def synthetic(self):
+        return self.profile is not None
+
+    def kwargs(self, truth, vocab_size, offset=0):
+        """generate() keyword arguments for the sequences whose serial continuations are `truth`."""
+        if self.profile is None:
+            return dict(heads=self.heads)
+        return dict(drafter=OracleDrafter(truth, self.profile, vocab_size, seed=self.seed + offset))
+
+
+def heads_drafting(target):
+    acc = None
+    if target.heads_dir and os.path.exists(os.path.join(target.heads_dir, "accuracy.json")):
+        with open(os.path.join(target.heads_dir, "accuracy.json")) as f:
+            acc = torch.tensor(json.load(f)["acc"], dtype=torch.float64)[: target.heads.num_heads]
+    return Drafting("heads" + (" (random)" if target.random_weights else ""), target.heads.num_heads,
+                    heads=target.heads, acc=acc)
+
+
+def oracle_drafting(spec, seed=0):
+    label, profile = parse_profile(spec)
+    return Drafting(f"oracle {label} (SYNTHETIC)", len(profile), profile=profile, acc=oracle_acc(profile),
+                    seed=seed)
+
+
+def default_tree(target, drafting, budget=16):
+    """The tree a user would get: for trained heads `demo.default_tree` (tuned to heads/accuracy.json, else the
+    preset); for the oracle, the best `budget`-node tree for its accuracies."""
+    if not drafting.synthetic and target.heads_dir:
+        from ..demo import default_tree as tuned
+        return tuned(target.heads_dir, drafting.num_heads)
+    if drafting.acc is not None:
+        return Tree.from_accuracies(drafting.acc, budget)
+    return get_tree(None, drafting.num_heads)
+
+
+# ---- running and timing -----------------------------------------------------------------------------------
+def run_generate(model, prompts, max_new_tokens, *, batch=1, drafting=None, truth=None, tree=None, **kw):
+    """generate() over the prompts in groups of `batch`; returns the aggregated stats (see `aggregate`).
+
+    drafting None runs the serial baseline. An oracle drafting needs `truth`: each prompt's serial continuation
+    (at least max_new_tokens + its depth tokens long) from `serial_truth`.
+    """
+    results = []
+    for lo in range(0, len(prompts), batch):
+        group = prompts[lo: lo + batch]
+        if drafting is None:
+            extra = dict(mtp=False)
+        else:
+            extra = dict(tree=tree, **drafting.kwargs(truth[lo: lo + batch] if truth else None,
+                                                      model.config.vocab_size, lo))
+        results.append(generate(model, group, max_new_tokens, **extra, **kw))
+    return aggregate(results)
+
+
+def serial_truth(model, prompts, max_new_tokens, depth, batch=1, **kw):
+    """The serial continuations the oracle proposes from (depth extra tokens, so the last step can draft too)."""
+    return run_generate(model, prompts, max_new_tokens + depth, batch=batch, **kw)["tokens"]
+
+
+def aggregate(results):
+    """Sum a list of GenerateResults into one record: decode tokens/s over all, weighted acceptance, phases."""
+    st = [r.stats for r in results]
+    B = sum(len(r.tokens) for r in results)
+    new = sum(s["new_tokens"] for s in st)
+    decode_tokens = new - B
+    decode_s = sum(s["total_s"] - s["ttft_s"] for s in st)
+    seq_steps = [((s["new_tokens"] - len(r.tokens)) / s["tokens_per_step"])
+                 if s["tokens_per_step"] == s["tokens_per_step"] and s["tokens_per_step"] > 0 else 0
+                 for r, s in zip(results, st)]
+    depth = max((len(s["accept_rate_per_depth"]) for s in st), default=0)
+    rates = []
+    for d in range(depth):
+        w = [(n, s["accept_rate_per_depth"][d]) for n, s in zip(seq_steps, st) if d < len(s["accept_rate_per_depth"])]
+        tot = sum(n for n, _ in w)
+        rates.append(sum(n * r for n, r in w) / tot if tot else float("nan"))
+    energies = [s.get("energy_j") for s in st]
+    energy = sum(energies) if energies and all(e is not None for e in energies) else None
+    steps = sum(seq_steps)
+    return dict(
+        tokens=[t for r in results for t in r.tokens], sequences=B, new_tokens=new, decode_tokens=decode_tokens,
+        decode_s=decode_s, total_s=sum(s["total_s"] for s in st),
+        decode_tokens_per_s=decode_tokens / decode_s if decode_s > 0 else float("nan"),
+        ttft_s=sum(s["ttft_s"] for s in st) / len(st), seq_steps=steps,
+        tokens_per_step=decode_tokens / steps if steps else float("nan"), accept_rate_per_depth=rates,
+        time_draft_s=sum(s["time_draft_s"] for s in st), time_verify_s=sum(s["time_verify_s"] for s in st),
+        time_accept_s=sum(s["time_accept_s"] for s in st), time_append_s=sum(s["time_append_s"] for s in st),
+        energy_j=energy, tokens_per_j=(new / energy) if energy else None,
+        peak_memory_bytes=max((s["peak_memory_bytes"] or 0) for s in st), kernels=st[0]["kernels"],
+        tree_size=st[0]["tree_size"])
+
+
+def hf_twin(model):
+    """A `transformers.LlamaForCausalLM` holding exactly `model`'s weights (same device and dtype)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    c = model.config
+    kw = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+              num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+              num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
+              rope_theta=c.rope_theta, max_position_embeddings=c.max_position_embeddings,
+              tie_word_embeddings=c.tie_word_embeddings, attention_bias=c.attention_bias, mlp_bias=c.mlp_bias,
+              bos_token_id=None, eos_token_id=c.eos_token_id, pad_token_id=None, attn_implementation="sdpa")
+    if c.rope_scaling:
+        kw["rope_scaling"] = dict(c.rope_scaling)
+    with torch.device(model.device):
+        hf = LlamaForCausalLM(LlamaConfig(**kw))
+    hf = hf.to(model.dtype).eval()
+    sd = {}
+    for k, v in model.state_dict().items():
+        if k == "inv_freq":
+            continue
+        if k.startswith("layers."):
+            i, rest = k[len("layers."):].split(".", 1)
+            sub = "self_attn." if rest.split(".")[0] in ("q_proj", "k_proj", "v_proj", "o_proj") else (
+                "mlp." if rest.split(".")[0] in ("gate_proj", "up_proj", "down_proj") else "")
+            k = f"model.layers.{i}.{sub}{rest}"
+        elif k != "lm_head.weight":
+            k = "model." + k
+        sd[k] = v
+    missing, unexpected = hf.load_state_dict(sd, strict=False)
+    missing = [m for m in missing if "rotary_emb" not in m and not (c.tie_word_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise RuntimeError(f"hf_twin: weights do not map: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    return hf
+
+
+def time_hf(hf, prompts, max_new_tokens, eos_token_id=None):
+    """HF greedy `generate` one prompt at a time: decode tokens/s (prefill excluded as for ours), tokens/J, tokens."""
+    dev = hf.device
+    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=eos_token_id)
+    decode_s, decode_tokens, new, energy, tokens = 0.0, 0, 0, 0.0, []
+    for p in prompts:
+        ids = torch.tensor([p], device=dev)
+        with torch.no_grad():
+            hf.generate(ids, max_new_tokens=min(8, max_new_tokens), **kw)           # warm-up
+            _sync(dev)
+            t0 = time.perf_counter()
+            hf.generate(ids, max_new_tokens=1, **kw)
+            _sync(dev)
+            t_first = time.perf_counter() - t0
+            e0 = gpu_energy_j(dev)
+            t0 = time.perf_counter()
+            out = hf.generate(ids, max_new_tokens=max_new_tokens, **kw)
+            _sync(dev)
+            t_all = time.perf_counter() - t0
+            e1 = gpu_energy_j(dev)
+        gen = out[0, len(p):].tolist()
+        tokens.append(gen)
+        new += len(gen)
+        decode_tokens += len(gen) - 1
+        decode_s += max(t_all - t_first, 1e-9)
+        energy = None if energy is None or e0 is None or e1 is None else energy + (e1 - e0)
+    return dict(tokens=tokens, new_tokens=new, decode_tokens=decode_tokens, decode_s=decode_s,
+                decode_tokens_per_s=decode_tokens / decode_s, energy_j=energy,
+                tokens_per_j=(new / energy) if energy else None, tokens_per_step=1.0)
+
+
+def _fmt_rates(rates):
+    return json.dumps([round(r, 4) for r in rates])
+
+
+# ---- the A/B ----------------------------------------------------------------------------------------------
+def ab_rows(target, drafting, max_new_tokens, batches=(1,), tree=None, kernels="auto", hf=True, run_id=None):
+    """Serial vs MTP on our engine at each batch size, plus HF generate (batch 1) on the same weights."""
+    model, dev = target.model, target.model.device
+    env = env_info(dev)
+    tree = tree or default_tree(target, drafting)
+    base = dict(env, table="e2e", run_id=run_id or env["timestamp"], **target.row(),
+                max_new_tokens=max_new_tokens, drafter=drafting.label, synthetic_drafts=drafting.synthetic)
+    kw = dict(kernels=kernels, eos_token_id=target.eos_token_id)
+    rows, serial_b1 = [], None
+    for batch in batches:
+        truth = serial_truth(model, target.prompts, max_new_tokens, drafting.num_heads, batch=batch, **kw)
+        ser = run_generate(model, target.prompts, max_new_tokens, batch=batch, **kw)
+        run_generate(model, target.prompts[:1], min(16, max_new_tokens), batch=batch, drafting=drafting,
+                     truth=truth, tree=tree, **kw)                                 # warm-up (kernel compiles)
+        mtp = run_generate(model, target.prompts, max_new_tokens, batch=batch, drafting=drafting, truth=truth,
+                           tree=tree, **kw)
+        serial_b1 = serial_b1 or ser
+        for provider, r in (("ours-serial", ser), ("ours-mtp", mtp)):
+            rows.append(dict(base, provider=provider, batch=batch, config="serial" if provider == "ours-serial"
+                             else "tree", tree_size=r["tree_size"], kernels=r["kernels"],
+                             tokens_per_s=r["decode_tokens_per_s"], ms_per_token=1e3 / r["decode_tokens_per_s"],
+                             speedup_vs_serial=r["decode_tokens_per_s"] / ser["decode_tokens_per_s"],
+                             tau=r["tokens_per_step"], accept_rate_per_depth=_fmt_rates(r["accept_rate_per_depth"]),
+                             ttft_ms=1e3 * r["ttft_s"], peak_memory_MB=r["peak_memory_bytes"] / 2 ** 20,
+                             energy_j=r["energy_j"], tokens_per_j=r["tokens_per_j"],
+                             identical_to_serial=r["tokens"] == ser["tokens"]))
+    if hf:
+        rows.append(hf_row(target, max_new_tokens, serial_b1, base))
+    return rows
+
+
+def hf_row(target, max_new_tokens, ours_serial, base):
+    """HF generate(do_sample=False) on a twin holding the same weights, batch 1, vs our serial engine."""
+    twin = hf_twin(target.model)
+    try:
+        r = time_hf(twin, target.prompts, max_new_tokens, target.eos_token_id)
+    finally:
+        del twin
+        if target.model.device.type == "cuda":
+            torch.cuda.empty_cache()
+    same = sum(a == b for a, b in zip(r["tokens"], ours_serial["tokens"]))
+    return dict(base, provider="hf-generate", batch=1, config="serial", tree_size=1, kernels="transformers (sdpa)",
+                tokens_per_s=r["decode_tokens_per_s"], ms_per_token=1e3 / r["decode_tokens_per_s"],
+                speedup_vs_serial=r["decode_tokens_per_s"] / ours_serial["decode_tokens_per_s"], tau=1.0,
+                energy_j=r["energy_j"], tokens_per_j=r["tokens_per_j"],
+                identical_to_serial=same == len(r["tokens"]),
+                note=f"HF vs our serial engine (batch 1): {same}/{len(r['tokens'])} sequences token-identical; "
+                     "speedup_vs_serial = HF tok/s / ours")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m mtp_triton.bench.e2e", description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="out/e2e.csv", help="CSV to append rows to")
+    ap.add_argument("--shape", default="embedded", choices=["embedded", "llama7b"])
+    ap.add_argument("--model", default=EMBEDDED, help="checkpoint folder with heads/ (embedded shape)")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (always on CPU)")
+    ap.add_argument("--profile", default="seed80", help="synthetic acceptance profile for llama7b (seed80, 0.9, ...)")
+    ap.add_argument("--batches", default=None, help="comma list of batch sizes (default 1,4 on GPU, 1,2 else)")
+    ap.add_argument("--max-new-tokens", type=int, default=None)
+    ap.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"])
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    a = ap.parse_args(argv)
+    gpu = torch.cuda.is_available() and (a.device is None or str(a.device).startswith("cuda"))
+    if not gpu:
+        print("no GPU: CPU run at tiny size (as --quick) — these are CPU numbers (torch ops), not GPU numbers")
+    quick = a.quick or not gpu
+    try:
+        target = load_target(a.shape, a.model, a.device, quick=quick)
+    except RuntimeError as e:
+        print(f"skipped: {e}")
+        return 0
+    drafting = oracle_drafting(a.profile) if a.shape == "llama7b" else heads_drafting(target)
+    n = a.max_new_tokens or (12 if quick else 128)
+    batches = [int(b) for b in a.batches.split(",")] if a.batches else ([1, 2] if quick else [1, 4])
+    if max(batches) > len(target.prompts):
+        target.prompts = (target.prompts * max(batches))[: max(batches)]
+    print(f"{target.suite}: {target.description}; drafts from {drafting.label}; batches {batches}, "
+          f"{n} new tokens, prompt length {target.prompt_len}")
+    rows = ab_rows(target, drafting, n, batches, kernels=a.kernels, hf=not a.no_hf)
+    for r in rows:
+        print(f"{r['provider']:12} batch {r['batch']:>2} {r['config']:6} {r['tokens_per_s']:9.1f} tok/s "
+              f"x{r['speedup_vs_serial']:.2f} tau {r['tau']:.2f}  identical {r['identical_to_serial']}")
+    append_rows(a.out, [dict(r, command="python -m mtp_triton.bench.e2e " + " ".join(
+        sys.argv[1:] if argv is None else argv)) for r in rows])
+    print(f"appended {len(rows)} rows to {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""Published tables, the analytic model, the measurement path (tables --quick, e2e, profile) and gpu_check.sh.
+
+Everything runs on CPU at tiny sizes (torch ops); the numbers themselves are not checked except where they are
+exact by construction (an oracle drafter that is always or never right, the seed table's own arithmetic).
+"""
+import csv
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import mtp_triton as mt
+from mtp_triton.bench import e2e, profile_step, tables
+from mtp_triton.tree import Tree
+from hf_models import make_hf
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+METRICS = {"throughput", "latency", "speedup", "speedup_pct", "energy_efficiency", "mean_accepted_tokens",
+           "draft_acceptance_pct", "second_token_acceptance_pct"}
+
+
+# ---- published numbers ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("path", sorted((ROOT / "data" / "published").glob("*.csv")), ids=lambda p: p.stem)
+def test_published_csv_parses_and_every_row_has_a_source(path):
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert rows, f"{path.name} is empty"
+    for i, r in enumerate(rows):
+        assert None not in r and None not in r.values(), f"{path.name} row {i}: wrong number of fields"
+        assert r["source"].startswith("as quoted in ANCHORS.md from "), f"{path.name} row {i}: source {r['source']!r}"
+        assert r["metric"] in METRICS, f"{path.name} row {i}: metric {r['metric']!r}"
+        for col in ("system", "config", "model", "hardware", "batch", "unit"):
+            assert r[col].strip(), f"{path.name} row {i}: empty {col}"
+        v = float(r["value"])
+        if r["value_high"]:
+            assert float(r["value_high"]) > v, f"{path.name} row {i}: range high <= low"
+
+
+def test_load_published_covers_the_systems():
+    rows = tables.load_published()
+    systems = {r["system"] for r in rows}
+    for name in ("seed MTP (BM1684)", "seed MTP (consumer GPU)", "Medusa-1", "EAGLE-2", "DeepSeek-V3 MTP", "SGLang",
+                 "gpt-fast", "vLLM", "Spec-Bench"):
+        assert name in systems
+    assert all(isinstance(r["value"], float) for r in rows)
+
+
+def test_seed_table_is_internally_consistent():
+    """The copied BM1684 table obeys its own arithmetic: ms/token = 1000 / tok/s, speedup % = tok/s ratio − 1."""
+    seed = tables.seed_sweep(tables.load_published())
+    assert set(seed) == {"serial", "MTP-2", "MTP-4", "MTP-8"}
+    for cfg, m in seed.items():
+        assert abs(1000 / m["throughput"] - m["latency"]) < 0.06, cfg
+        if cfg != "serial":
+            pct = 100 * (m["throughput"] / seed["serial"]["throughput"] - 1)
+            assert abs(pct - m["speedup_pct"]) < 0.5, (cfg, pct)
+
+
+# ---- the analytic model -----------------------------------------------------------------------------------
+def test_analytic_model_hand_checked():
+    # chain of 2, each depth right half the time: E[accepted] = 0.5 + 0.25, + 1 bonus = 1.75 tokens per step
+    chain = Tree.chain(2)
+    acc = [[0.5], [0.5]]
+    assert tables.expected_tokens_per_step(chain, acc) == pytest.approx(1.75)
+    assert tables.analytic_speedup(chain, acc, cost_ratio=1.25) == pytest.approx(1.4)
+    # two candidates at depth 1 (ranks 0 and 1), one child under rank 0: 1 + 0.5 + 0.25 + 0.5 * 0.4 = 1.95
+    tree = Tree.from_choices([(0,), (1,), (0, 0)])
+    assert tables.expected_tokens_per_step(tree, [[0.5, 0.25], [0.4, 0.0]]) == pytest.approx(1.95)
+    # the serial step: nothing to accept, cost 1 -> speedup 1
+    assert tables.analytic_speedup(Tree.root_only(), acc, 1.0) == pytest.approx(1.0)
+
+
+def test_accuracy_helpers():
+    assert e2e.oracle_acc([0.8, 0.5]).flatten().tolist() == pytest.approx([0.8, 0.16, 0.5, 0.25])
+    # P(accept length >= d) = 0.8, 0.4, 0.0 -> conditional 0.8, 0.5, 0.0
+    acc = tables.acc_from_depth_rates([0.8, 0.4, 0.0])
+    assert acc.shape == (3, 1) and acc.flatten().tolist() == pytest.approx([0.8, 0.5, 0.0])
+
+
+@pytest.mark.parametrize("spec,expected", [("seed80", [0.8] * 8), ("0.7", [0.7] * 8),
+                                           ("0.9/0.5", [0.9] + [0.5] * 7)], ids=["name", "number", "per-depth"])
+def test_parse_profile(spec, expected):
+    assert e2e.parse_profile(spec)[1] == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("spec", ["seed99", "1.5", "0.9/x"])
+def test_parse_profile_rejects(spec):
+    with pytest.raises(ValueError, match="profile"):
+        e2e.parse_profile(spec)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A tiny fp64 model (exact numerics: MTP output == serial output) with two prompts of odd lengths."""
+    model = mt.LlamaEngine.from_hf(make_hf("gqa-hd16-v203-untied-L2"))
+    return model, [[5, 17, 33, 42, 90, 1, 7], [11, 12, 13]]
+
+
+@pytest.mark.parametrize("p,tau", [("1.0", 5.0), ("0.0", 1.0)], ids=["always-right", "never-right"])
+def test_analytic_model_matches_the_oracle_exactly(tiny, p, tau):
+    """At p = 1 every chain-4 step accepts 4 drafts (+ bonus); at p = 0 none: measured τ == E[tokens/step]."""
+    model, prompts = tiny
+    d = e2e.oracle_drafting(p)
+    chain = Tree.chain(4)
+    truth = e2e.serial_truth(model, prompts, 21, d.num_heads)
+    serial = e2e.run_generate(model, prompts, 21)
+    r = e2e.run_generate(model, prompts, 21, drafting=d, truth=truth, tree=chain)   # 1 + 4 steps x 5 tokens
+    assert r["tokens"] == serial["tokens"], "verification is real: the output must be the model's own"
+    assert r["tokens_per_step"] == pytest.approx(tau)
+    assert tables.expected_tokens_per_step(chain, d.acc) == pytest.approx(tau)
+
+
+def test_verify_step_seconds_runs(tiny):
+    model, _ = tiny
+    t1 = tables.verify_step_seconds(model, Tree.root_only(), cache_len=9)
+    t9 = tables.verify_step_seconds(model, Tree.chain(8), cache_len=9)
+    assert t1 > 0 and t9 > 0
+
+
+# ---- measurement plumbing ---------------------------------------------------------------------------------
+def test_hf_twin_holds_the_same_weights(tiny):
+    model, prompts = tiny
+    hf = e2e.hf_twin(model)
+    ours = e2e.run_generate(model, prompts, 6)["tokens"]
+    theirs = e2e.time_hf(hf, prompts, 6)["tokens"]
+    assert theirs == ours
+
+
+def test_phase_profile_adds_up_and_restores_the_ops(tiny):
+    model, prompts = tiny
+    gen_mod = sys.modules["mtp_triton.generate"]
+    before = gen_mod.get_ops
+    heads = mt.init_heads(model, 2, seed=1)
+    rows = profile_step.phase_rows(model, prompts, 7, [("chain-2", dict(heads=heads, tree="chain-2"))])
+    assert gen_mod.get_ops is before
+    assert [r["phase"] for r in rows] == list(profile_step.PHASES)
+    assert sum(r["fraction"] for r in rows) == pytest.approx(1.0)
+    assert all(r["ms_per_step"] >= 0 for r in rows if r["phase"] != "python-overhead")
+    assert rows[0]["step_ms"] > 0
+
+
+def test_kernel_table_and_categories():
+    full = {"_tree_attention_kernel": (900.0, 40), "sm90_xmma_gemm_bf16": (3000.0, 200), "elementwise_add": (100.0, 90),
+            "prefill_only": (50.0, 1)}
+    first = {"_tree_attention_kernel": (100.0, 8), "sm90_xmma_gemm_bf16": (600.0, 40), "prefill_only": (50.0, 1)}
+    rows = profile_step.kernel_table(full, first, steps=4, name="tree")
+    cats = {r["category"]: r for r in rows if r["table"] == "kernel_categories"}
+    assert set(cats) == {"attention", "gemm", "other (elementwise, norms, copies)"}
+    assert cats["gemm"]["gpu_ms_per_step"] == pytest.approx(2400e-3 / 4)
+    assert sum(r["fraction"] for r in cats.values()) == pytest.approx(1.0)
+    ker = [r for r in rows if r["table"] == "kernels"]
+    assert ker[0]["kernel"] == "sm90_xmma_gemm_bf16" and ker[0]["calls_per_step"] == 40
+    assert profile_step.kernel_category("fused_draft_kernel") == "draft"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU message")
+def test_llama7b_is_skipped_on_cpu_with_a_reason():
+    with pytest.raises(RuntimeError, match="needs a GPU"):
+        e2e.load_target("llama7b", quick=False)
+
+
+def test_tables_quick_writes_csv_markdown_png(tmp_path):
+    assert tables.main(["--quick", "--out", str(tmp_path)]) == 0
+    for ext in ("csv", "md", "png"):
+        assert (tmp_path / f"tables.{ext}").stat().st_size > 0
+    rows = list(csv.DictReader(open(tmp_path / "tables.csv")))
+    kinds = {r["table"] for r in rows}
+    assert {"sweep", "analytic", "phases", "hf"} <= kinds
+    assert all(r["device"] and r["torch"] and r["commit"] and r["timestamp"] for r in rows), "rows need env_info()"
+    sweep = [r for r in rows if r["table"] == "sweep"]
+    assert {r["suite"] for r in sweep} == {"embedded", "llama7b"}
+    for r in sweep:                                    # measured, or skipped with the reason
+        assert r["tokens_per_s"] or r["note"].startswith("skipped"), r
+    assert {r["config"] for r in sweep} >= {"serial", "MTP-2", "MTP-4", "MTP-8", "tree"}
+    oracle = [r for r in sweep if r["suite"] == "llama7b"]
+    assert all("SYNTHETIC" in r["drafter"] for r in oracle)
+    md = (tmp_path / "tables.md").read_text()
+    seed = tables.seed_sweep(tables.load_published())
+    assert f"{seed['MTP-4']['throughput']:.1f}" in md and "CPU numbers" in md
+    assert "## 3. Analytic model vs measured" in md and "## 5. Hugging Face" in md
+
+
+def test_markdown_renders_gpu_style_rows():
+    """Rows as a GPU run writes them (kernel tables, energy, a failed profiler) render without a CPU label."""
+    base = dict(device="NVIDIA H200", torch="2.11", triton="3.6.0", interpreter="False", commit="x", timestamp="t",
+                suite="llama7b", model="Llama-7B shape", dtype="bfloat16", layers="32", model_params_M="6738",
+                prompt_len="128", max_new_tokens="128", num_prompts="2", batch="1", drafter="oracle seed80 (SYNTHETIC)")
+    rows = [dict(base, table="sweep", config="serial", tree_size="1", tokens_per_s="80", ms_per_token="12.5",
+                 speedup="1", speedup_pct="0", tau="1", tokens_per_j="0.3", identical_to_serial="True"),
+            dict(base, table="kernel_categories", config="tree-17", category="gemm", gpu_ms_per_step="3",
+                 fraction="0.8"),
+            dict(base, table="kernels", config="tree-17", kernel="(torch.profiler failed)", note="RuntimeError()")]
+    md = tables.markdown(rows, tables.load_published())
+    assert "NVIDIA H200" in md and "CPU numbers" not in md and "torch.profiler failed" in md
+
+
+def test_gpu_check_dry_run(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    log = (tmp_path / "gpu_check.log").read_text()
+    assert p.returncode == 0, log[-3000:]
+    assert "SUMMARY: all stages passed" in log and "DRY RUN" in log
+    files = [f for f in tmp_path.rglob("*") if f.is_file()]
+    assert len(files) <= 8, files
+    assert (tmp_path / "tables" / "tables.md").exists() and (tmp_path / "e2e.csv").exists()
+
+
+@pytest.mark.gpu
+def test_gpu_profiling_paths():
+    """On a GPU: CUDA-event phase timers, the torch.profiler kernel table, c(T) and the HF twin, in bf16/Triton."""
+    hf = make_hf("gqa-hd16-v203-untied-L2", dtype=torch.bfloat16).cuda()
+    model = mt.LlamaEngine.from_hf(hf)
+    prompts = [[5, 17, 33, 42, 90, 1, 7]]
+    kw = dict(heads=mt.init_heads(model, 2, seed=1), tree="chain-2", kernels="triton")
+    rows = profile_step.phase_rows(model, prompts, 9, [("chain-2", kw)])
+    assert sum(r["fraction"] for r in rows) == pytest.approx(1.0)
+    assert {r["phase"]: r for r in rows}["verify-attention"]["ms_per_step"] > 0
+    ker = profile_step.kernel_rows(model, prompts, 9, "chain-2", kw)
+    cats = {r["category"] for r in ker if r["table"] == "kernel_categories"}
+    assert {"attention", "draft"} <= cats, cats
+    assert tables.verify_step_seconds(model, Tree.chain(2), cache_len=33, kernels="triton") > 0
+    energy = e2e.gpu_energy_j("cuda")
+    assert energy is None or energy > 0
+    r = e2e.time_hf(e2e.hf_twin(model), prompts, 6)
+    assert r["new_tokens"] == 6 and r["decode_tokens_per_s"] > 0
