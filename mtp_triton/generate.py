@@ -141,12 +141,15 @@ def prefill(model, prompts, cache, ops):
 
 @torch.no_grad()
 def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None, temperature=0.0, top_p=1.0,
-             seed=None, eos_token_id=None, kernels="auto", runtime=None, block_size=16, drafter=None):
+             seed=None, eos_token_id=None, kernels="auto", runtime=None, block_size=16, drafter=None,
+             cuda_graph=False):
     """Generate up to max_new_tokens per prompt; see API.md. mtp=False or heads=None: serial decoding.
 
     runtime: RuntimeConfig (cold start, dynamic depth, fallback). block_size: paged-cache block size.
     drafter: instead of heads, an object with `num_heads` and `propose(rows, emitted, top_k) -> [A, H, K]`
     (e.g. the synthetic `drafters.OracleDrafter` used to measure the runtime apart from head quality).
+    cuda_graph: replay the verify forward as a CUDA graph (one per tree size) to remove Python launch
+    overhead; finished sequences then keep running (frozen, never emitted) so shapes stay fixed.
     """
     cfg = model.config
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -160,6 +163,8 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
                          f"length {cfg.max_position_embeddings}")
     rt = runtime or RuntimeConfig()
     dev = model.device
+    if cuda_graph and dev.type != "cuda":
+        raise ValueError("cuda_graph=True needs the model on a CUDA device")
     ops = get_ops(kernels, dev)
     use_mtp = bool(mtp) and (heads is not None or drafter is not None)
     if use_mtp and drafter is not None:
@@ -204,17 +209,19 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
     accept_hist, reached, accepted_at = Counter(), Counter(), Counter()
     itl = []
     pruned = {full_tree.max_depth: full_tree}                               # sub-trees by depth limit
+    graphs = {} if cuda_graph else None                                     # tree size -> _GraphedVerify
 
     while not all(done):
         t_step = time.perf_counter()
-        active = [b for b in range(B) if not done[b]]
+        was_done = list(done)
+        active = list(range(B)) if graphs is not None else [b for b in range(B) if not done[b]]
         rows = torch.tensor(active, device=dev)
         A = len(active)
         # ---- per-sequence depth this step (cold start, fallback, dynamic depth) ----
         allowed = []
         for b in active:
             d = depth_b[b] if use_mtp else 0
-            if len(out[b]) < rt.cold_start_tokens or steps < serial_until[b]:
+            if len(out[b]) < rt.cold_start_tokens or steps < serial_until[b] or done[b]:
                 d = 0
             allowed.append(min(d, full_tree.max_depth))
         max_d = max(allowed)
@@ -239,8 +246,13 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
         # ---- verify: one forward over the root + drafts; each node sees the cache and its ancestors ----
         t0 = timer.start()
         positions = cache.cache_lens[rows].long()[:, None] + step_tree.depth[None, :]
-        h_tree, k_tree, v_tree = model.forward_tree(draft, positions, step_tree.mask, cache, rows, ops, check)
-        logits = model.logits(h_tree)                                        # [A, T, V]
+        if graphs is not None:
+            if T not in graphs:
+                graphs[T] = _GraphedVerify(model, cache, rows, step_tree, ops)
+            h_tree, k_tree, v_tree, logits = graphs[T](draft, positions)
+        else:
+            h_tree, k_tree, v_tree = model.forward_tree(draft, positions, step_tree.mask, cache, rows, ops, check)
+            logits = model.logits(h_tree)                                    # [A, T, V]
         timer.stop("verify", t0)
 
         # ---- accept: node i is accepted iff its parent is and draft[i] == target choice after the parent ----
@@ -261,7 +273,10 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
         block_table = cache.block_table[rows]
         ops.kv_append(cache.k, cache.v, block_table, cache.cache_lens[rows], k_tree, v_tree, accept_nodes,
                       accept_len, check_values=check)
-        cache.cache_lens[rows] += (accept_len + 1).to(torch.int32)
+        grow = accept_len + 1
+        if graphs is not None:                   # finished rows re-write their own slots but never grow
+            grow = grow * torch.tensor([not d for d in was_done], device=dev)
+        cache.cache_lens[rows] += grow.to(torch.int32)
         last = accept_nodes.gather(1, accept_len[:, None])[:, 0]             # deepest accepted node
         hidden[rows] = h_tree[torch.arange(A, device=dev), last]
         roots = roots.clone()
@@ -273,6 +288,8 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
         steps += 1
         n_emitted = 0
         for a, b in enumerate(active):
+            if was_done[b]:
+                continue
             new = [draft_l[a][n] for n in acc_n[a][1 : acc_l[a] + 1]] + [bonus_l[a]]
             for t in new:
                 if len(out[b]) >= max_new_tokens:
@@ -328,6 +345,40 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
         e1 = _gpu_energy_j(dev)
         stats["energy_j"] = None if e1 is None else e1 - energy0
     return GenerateResult(tokens=out, stats=stats)
+
+
+class _GraphedVerify:
+    """The verify forward (+ logits) captured as one CUDA graph for a fixed batch and tree.
+
+    Possible because, with value checks off, every kernel's launch grid depends only on tensor shapes and
+    the block table's width; the cache, block table and lengths are read from their (static) storage at
+    replay. Inputs are copied into static buffers; outputs are overwritten by the next replay.
+    """
+
+    def __init__(self, model, cache, rows, tree, ops):
+        self.model, self.cache, self.rows, self.mask, self.ops = model, cache, rows, tree.mask, ops
+        self.tokens = torch.zeros(len(rows), tree.size, dtype=torch.int64, device=model.device)
+        self.positions = cache.cache_lens[rows].long()[:, None] + tree.depth[None, :]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):            # warm-up: compile/autotune outside the capture
+            for _ in range(2):
+                self._run()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = self._run()
+
+    def _run(self):
+        h, k, v = self.model.forward_tree(self.tokens, self.positions, self.mask, self.cache, self.rows, self.ops,
+                                          check_values=False)
+        return h, k, v, self.model.logits(h)
+
+    def __call__(self, tokens, positions):
+        self.tokens.copy_(tokens)
+        self.positions.copy_(positions)
+        self.graph.replay()
+        return self.out
 
 
 def _runtime_update(rt, b, depth_b, serial_until, windows, depth_hist, steps, max_depth):

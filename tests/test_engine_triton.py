@@ -36,3 +36,25 @@ def test_triton_sampling_equals_torch_sampling(case):
     a = mt.generate(model, PROMPTS, 6, kernels="triton", **kw)
     b = mt.generate(model, PROMPTS, 6, kernels="torch", **kw)
     assert a.tokens == b.tokens
+
+
+@pytest.mark.gpu
+def test_cuda_graph_verify_matches_eager():
+    """CUDA-graph replay of the verify step gives the same tokens (batch with early EOS, bf16 and fp32)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        hf = make_hf("gqa-hd64-v97-llama3rope-L3", dtype=dtype).cuda()
+        model = mt.LlamaEngine.from_hf(hf)
+        heads = mt.init_heads(model, 4, seed=0)
+        prompts = PROMPTS + [[3] * 40]
+        eager = mt.generate(model, prompts, 24, heads=heads, tree="medusa-16", kernels="triton")
+        eos = eager.tokens[1][5]
+        eager = mt.generate(model, prompts, 24, heads=heads, tree="medusa-16", kernels="triton", eos_token_id=eos)
+        graph = mt.generate(model, prompts, 24, heads=heads, tree="medusa-16", kernels="triton", eos_token_id=eos,
+                            cuda_graph=True)
+        assert graph.tokens == eager.tokens
+
+
+def test_cuda_graph_needs_cuda(case):
+    _, model = case
+    with pytest.raises(ValueError, match="CUDA"):
+        mt.generate(model, PROMPTS, 4, cuda_graph=True)
