@@ -384,9 +384,19 @@ def ab_rows(target, drafting, max_new_tokens, batches=(1,), tree=None, kernels="
         mtp = run_generate(model, target.prompts, max_new_tokens, batch=batch, drafting=drafting, truth=truth,
                            tree=tree, **kw)
         serial_b1 = serial_b1 or ser
-        for provider, r in (("ours-serial", ser), ("ours-mtp", mtp)):
-            rows.append(dict(base, provider=provider, batch=batch, config="serial" if provider == "ours-serial"
-                             else "tree", tree_size=r["tree_size"], kernels=r["kernels"],
+        runs = [("ours-serial", ser), ("ours-mtp", mtp)]
+        if dev.type == "cuda":       # the same runs with the verify step replayed as a CUDA graph
+            run_generate(model, target.prompts[:1], min(16, max_new_tokens), batch=batch, drafting=drafting,
+                         truth=truth, tree=tree, cuda_graph=True, **kw)            # warm-up (capture)
+            runs += [("ours-serial-graph", run_generate(model, target.prompts, max_new_tokens, batch=batch,
+                                                        cuda_graph=True, **kw)),
+                     ("ours-mtp-graph", run_generate(model, target.prompts, max_new_tokens, batch=batch,
+                                                     drafting=drafting, truth=truth, tree=tree, cuda_graph=True,
+                                                     **kw))]
+        for provider, r in runs:
+            rows.append(dict(base, provider=provider, batch=batch, config="serial" if "serial" in provider
+                             else "tree", cuda_graph=provider.endswith("-graph"), tree_size=r["tree_size"],
+                             kernels=r["kernels"],
                              tokens_per_s=r["decode_tokens_per_s"], ms_per_token=1e3 / r["decode_tokens_per_s"],
                              speedup_vs_serial=r["decode_tokens_per_s"] / ser["decode_tokens_per_s"],
                              tau=r["tokens_per_step"], accept_rate_per_depth=_fmt_rates(r["accept_rate_per_depth"]),
