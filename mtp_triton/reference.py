@@ -36,9 +36,24 @@ def fused_draft(hidden, res_weight, res_bias, lm_head, top_k):
     z = x[:, None, :] + F.silu(pre)                                       # [B, H, D]
     logits = z @ lm_head.to(acc).T                                        # [B, H, V]
     logp = torch.log_softmax(logits, dim=-1)
-    # a stable descending sort keeps the lower id first among equal logits
-    ids = torch.sort(logits, dim=-1, descending=True, stable=True).indices[..., :top_k]
+    ids = topk_lower_id_first(logits, top_k)
     return ids, logp.gather(-1, ids).float()
+
+
+def topk_lower_id_first(x, k):
+    """Ids of the k largest entries along the last dim, by descending value, ties -> lower id first.
+
+    Equivalent to a stable descending sort cut at k (the definition), but uses topk: within the k selected
+    the order is fixed by a tiny sort; only if a tie straddles the k-th place (equal values left out) do
+    we fall back to the full stable sort.
+    """
+    vals, ids = torch.topk(x, k, dim=-1)                       # tie order unspecified
+    kth = vals[..., -1:]
+    if bool(((x == kth).sum(-1) != (vals == kth).sum(-1)).any()):
+        return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
+    by_id = torch.argsort(ids, dim=-1)                         # order the selection by id ...
+    ids, vals = ids.gather(-1, by_id), vals.gather(-1, by_id)
+    return ids.gather(-1, torch.sort(vals, dim=-1, descending=True, stable=True).indices)  # ... then by value
 
 
 def tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask, sm_scale=None, *,
@@ -56,26 +71,27 @@ def tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree,
     mask = check_tree_attention_inputs(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask,
                                        values=check_values)
     B, T, Hq, Dh = q.shape
-    BS, Hkv = k_cache.shape[1], k_cache.shape[2]
+    NB, BS, Hkv = k_cache.shape[:3]
     G = Hq // Hkv
     scale = Dh ** -0.5 if sm_scale is None else sm_scale
     acc = _acc_dtype(q.dtype)
-    out = torch.empty_like(q)
-    for b in range(B):
-        n = int(cache_lens[b])
-        blocks = block_table[b, : (n + BS - 1) // BS].long()
-        k_c = k_cache[blocks].reshape(-1, Hkv, Dh)[:n]                    # [n, Hkv, Dh]
-        v_c = v_cache[blocks].reshape(-1, Hkv, Dh)[:n]
-        k = torch.cat([k_c, k_tree[b]]).to(acc)                          # [n + T, Hkv, Dh]
-        v = torch.cat([v_c, v_tree[b]]).to(acc)
-        qb = q[b].to(acc).view(T, Hkv, G, Dh)                            # [T, Hkv, G, Dh]
-        scores = torch.einsum("tkgd,skd->kgts", qb, k) * scale           # [Hkv, G, T, n + T]
-        visible = torch.cat([torch.ones(T, n, dtype=torch.bool, device=q.device), mask[b]], dim=1)
-        scores = scores.masked_fill(~visible, float("-inf"))
-        p = torch.softmax(scores, dim=-1)
-        o = torch.einsum("kgts,skd->tkgd", p, v)                         # [T, Hkv, G, Dh]
-        out[b] = o.reshape(T, Hq, Dh).to(q.dtype)
-    return out
+    # gather every sequence's cached tokens through its block table, padded to the longest cache
+    n = int(cache_lens.max())
+    blocks = block_table[:, : (n + BS - 1) // BS].long().clamp(0, NB - 1)          # [B, nblk]
+    k_c = k_cache[blocks].reshape(B, -1, Hkv, Dh)[:, :n]                          # [B, n, Hkv, Dh]
+    v_c = v_cache[blocks].reshape(B, -1, Hkv, Dh)[:, :n]
+    cached = torch.arange(n, device=q.device)[None, :] < cache_lens[:, None]     # [B, n] real cache slots
+    k = torch.cat([k_c, k_tree], dim=1).to(acc)                                   # [B, n + T, Hkv, Dh]
+    v = torch.cat([v_c, v_tree], dim=1).to(acc)
+    visible = torch.cat([cached[:, None, :].expand(B, T, n), mask], dim=2)       # [B, T, n + T]
+    keep = torch.cat([cached, torch.ones(B, T, dtype=torch.bool, device=q.device)], dim=1)  # [B, n + T]
+    v = v.masked_fill(~keep[..., None, None], 0.0)        # unused cache slots may hold anything (e.g. NaN)
+    qb = q.to(acc).view(B, T, Hkv, G, Dh)
+    scores = torch.einsum("btkgd,bskd->bkgts", qb, k) * scale                     # [B, Hkv, G, T, n + T]
+    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+    p = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bkgts,bskd->btkgd", p, v)                                 # [B, T, Hkv, G, Dh]
+    return out.reshape(B, T, Hq, Dh).to(q.dtype)
 
 
 def _node_depths(parents):
@@ -88,10 +104,9 @@ def _node_depths(parents):
     return depth
 
 
-def _path_to(parents, last):
+def _path_to(parents, depth, last):
     """Root-to-`last` node path per sequence, padded with -1: accept_nodes [B, T], accept_len [B]."""
     B, T = parents.shape
-    depth = _node_depths(parents)
     accept_len = depth.gather(1, last[:, None])[:, 0]
     nodes = torch.full((B, T), -1, dtype=torch.int64, device=parents.device)
     for b in range(B):
@@ -122,7 +137,7 @@ def tree_accept(draft_tokens, parents, target_tokens, *, check_values=True):
     depth = _node_depths(parents)
     score = torch.where(accepted, depth, -1)
     last = torch.argmax(score, dim=1)          # first index among the deepest accepted nodes
-    accept_len, accept_nodes = _path_to(parents, last)
+    accept_len, accept_nodes = _path_to(parents, depth, last)
     next_token = target_tokens.gather(1, last[:, None])[:, 0]
     return accept_len, accept_nodes, next_token
 
