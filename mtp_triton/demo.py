@@ -50,8 +50,23 @@ def read_prompts(path=PROMPTS, n=None):
     return rows[:n] if n else rows
 
 
-def _tree_arg(arg, heads_dir, num_heads):
-    return default_tree(heads_dir, num_heads) if arg in (None, "tuned") else get_tree(arg, num_heads)
+def read_accuracy(heads_dir, num_heads):
+    with open(os.path.join(heads_dir, "accuracy.json")) as fh:
+        return torch.tensor(json.load(fh)["acc"], dtype=torch.float64)[:num_heads]
+
+
+def _tree_arg(arg, heads_dir, num_heads, model=None, batch=1, kernels="auto"):
+    """'auto': tuned to the heads' accuracies AND this hardware's step cost (mtp_triton.tuning.best_tree);
+    'tuned': tuned to the accuracies with the budget stored beside them; else a preset name."""
+    if arg == "auto" and model is not None and os.path.exists(os.path.join(heads_dir, "accuracy.json")):
+        from .tuning import best_tree
+        tree, table = best_tree(model, read_accuracy(heads_dir, num_heads), batch=batch, kernels=kernels)
+        print("tree size for this hardware (expected tokens/step ÷ measured step-cost ratio):")
+        for r in table:
+            print(f"  budget {r['budget']:3d}: {r['nodes']:3d} nodes, E[tokens/step] {r['expected_tokens_per_step']:.2f}, "
+                  f"cost x{r['cost_ratio']:.2f} -> expected speedup {r['expected_speedup']:.2f}")
+        return tree
+    return default_tree(heads_dir, num_heads) if arg in (None, "auto", "tuned") else get_tree(arg, num_heads)
 
 
 def demo(argv=None):
@@ -60,15 +75,16 @@ def demo(argv=None):
     ap.add_argument("--prompts", default=PROMPTS, help="JSONL with a 'text' field")
     ap.add_argument("--num-prompts", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--tree", default="tuned", help="'tuned' (from heads/accuracy.json) or a preset name")
+    ap.add_argument("--tree", default="auto", help="'auto' (tuned to the heads' accuracies and this hardware's "
+                    "step cost), 'tuned' (accuracies only, budget from heads/accuracy.json) or a preset name")
     ap.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"])
     ap.add_argument("--device", default=None)
     ap.add_argument("--out", default=os.path.join("out", "demo"))
     a = ap.parse_args(argv)
     model, heads, tok = load_embedded(a.model, device=a.device)
-    tree = _tree_arg(a.tree, os.path.join(a.model, "heads"), heads.num_heads)
     texts = [r["text"] for r in read_prompts(a.prompts, a.num_prompts)]
     prompts = [tok(t)["input_ids"] for t in texts]
+    tree = _tree_arg(a.tree, os.path.join(a.model, "heads"), heads.num_heads, model, len(prompts), a.kernels)
     eos = tok.eos_token_id
     dev = model.device
     print(f"model {a.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M params, {model.config.num_hidden_layers}"
@@ -93,7 +109,7 @@ def demo(argv=None):
     print(f"time per phase (MTP): draft {m['time_draft_s']:.2f}s, verify {m['time_verify_s']:.2f}s, accept "
           f"{m['time_accept_s']:.2f}s, append {m['time_append_s']:.2f}s")
     env = env_info(dev)
-    rows = [dict(env, run="demo", mode=mode, tree_size=r.stats["tree_size"], batch=len(prompts),
+    rows = [dict(env, run="demo", mode=mode, tree=a.tree, tree_size=r.stats["tree_size"], batch=len(prompts),
                  max_new_tokens=a.max_new_tokens, kernels=r.stats["kernels"], tokens_per_step=r.stats["tokens_per_step"],
                  decode_tokens_per_s=r.stats["decode_tokens_per_s"], ttft_s=r.stats["ttft_s"],
                  identical=same, command="python -m mtp_triton demo " + " ".join(argv or sys.argv[2:]))
@@ -132,7 +148,7 @@ def text_generate(argv=None):
     ap.add_argument("--prompt", required=True)
     ap.add_argument("--model", default=EMBEDDED)
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--tree", default="tuned")
+    ap.add_argument("--tree", default="auto", help="'auto', 'tuned' or a preset name (see demo --help)")
     ap.add_argument("--no-mtp", action="store_true")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
@@ -141,7 +157,7 @@ def text_generate(argv=None):
     ap.add_argument("--device", default=None)
     a = ap.parse_args(argv)
     model, heads, tok = load_embedded(a.model, device=a.device)
-    tree = _tree_arg(a.tree, os.path.join(a.model, "heads"), heads.num_heads)
+    tree = _tree_arg(a.tree, os.path.join(a.model, "heads"), heads.num_heads, model, 1, a.kernels)
     ids = tok(a.prompt)["input_ids"]
     res = generate(model, [ids], a.max_new_tokens, heads=heads, mtp=not a.no_mtp, tree=tree,
                    temperature=a.temperature, top_p=a.top_p, seed=a.seed, eos_token_id=tok.eos_token_id,
