@@ -77,6 +77,7 @@ class _PhaseTimer:
             torch.cuda.synchronize()
             for name, a, b in self.events:
                 self.total[name] += a.elapsed_time(b) * 1e-3
+            self.events = []                      # folded in: result() can be called again
         return self.total
 
 

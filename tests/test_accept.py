@@ -3,7 +3,7 @@ that tree acceptance emits tokens distributed exactly as the target distribution
 import pytest
 import torch
 
-from conftest import DEVICE, poison
+from conftest import DEVICE
 
 from mtp_triton import reference
 from mtp_triton.kernels.accept import tree_accept, tree_accept_sample

@@ -648,7 +648,7 @@ def write_report(result, path, command=""):
     ops = " + ".join("Triton interpreter" if k == "triton" and info["interpreter"] else
                      "PyTorch ops" if k == "torch" else "Triton kernels" for k in used) or info["kernels"]
     hw = f"{info['device']}, {ops}" + (" — CPU numbers; they say nothing about GPU speed" if info["cpu"] else "")
-    L = [f"# MTP evaluation report", "",
+    L = ["# MTP evaluation report", "",
          f"- hardware: **{hw}**",
          f"- torch {r0.get('torch')}, triton {r0.get('triton')}, python {r0.get('python')}, commit {r0.get('commit')}, "
          f"{r0.get('timestamp')}, run {r0.get('run_id')}",

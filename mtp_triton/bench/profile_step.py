@@ -21,45 +21,25 @@ import argparse
 import contextlib
 import importlib
 import sys
-import time
 from collections import defaultdict
 from types import SimpleNamespace
 
 import torch
 
-from ..generate import generate
+from ..generate import _PhaseTimer, generate
 from .common import append_rows, env_info
 
 PHASES = ("draft", "verify-attention", "verify-other", "accept", "append", "python-overhead")
 
 
-class _Timer:
-    """Sums seconds over many start/stop pairs; CUDA events on a GPU (no sync until `seconds`)."""
-
-    def __init__(self, device):
-        self.cuda = torch.device(device).type == "cuda"
-        self.cpu_s, self.events = 0.0, []
-
-    def start(self):
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
+class _Timer(_PhaseTimer):
+    """One-phase view of the decoder's phase timer (CUDA events on a GPU, no sync until `seconds`)."""
 
     def stop(self, t0):
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            self.events.append((t0, e))
-        else:
-            self.cpu_s += time.perf_counter() - t0
+        super().stop("attention", t0)
 
     def seconds(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-            return sum(a.elapsed_time(b) for a, b in self.events) * 1e-3
-        return self.cpu_s
+        return self.result()["attention"]
 
 
 @contextlib.contextmanager
