@@ -35,12 +35,9 @@ def default_tree(heads_dir, num_heads, budget=None):
 
     accuracy.json: {"acc": [[...K...] x H], "tree_budget": N} — acc[h][r] = P(rank r of head h is right).
     """
-    f = os.path.join(heads_dir, "accuracy.json")
-    if os.path.exists(f):
-        with open(f) as fh:
-            info = json.load(fh)
-        acc = torch.tensor(info["acc"], dtype=torch.float64)[:num_heads]
-        return Tree.from_accuracies(acc, budget or int(info.get("tree_budget", 16)))
+    if os.path.exists(os.path.join(heads_dir, "accuracy.json")):
+        acc, stored_budget = read_accuracy(heads_dir, num_heads)
+        return Tree.from_accuracies(acc, budget or stored_budget)
     return get_tree(None, num_heads)
 
 
@@ -51,8 +48,10 @@ def read_prompts(path=PROMPTS, n=None):
 
 
 def read_accuracy(heads_dir, num_heads):
+    """(acc [H, K] float64, tree budget) from heads/accuracy.json."""
     with open(os.path.join(heads_dir, "accuracy.json")) as fh:
-        return torch.tensor(json.load(fh)["acc"], dtype=torch.float64)[:num_heads]
+        info = json.load(fh)
+    return torch.tensor(info["acc"], dtype=torch.float64)[:num_heads], int(info.get("tree_budget", 16))
 
 
 def _tree_arg(arg, heads_dir, num_heads, model=None, batch=1, kernels="auto"):
@@ -60,7 +59,7 @@ def _tree_arg(arg, heads_dir, num_heads, model=None, batch=1, kernels="auto"):
     'tuned': tuned to the accuracies with the budget stored beside them; else a preset name."""
     if arg == "auto" and model is not None and os.path.exists(os.path.join(heads_dir, "accuracy.json")):
         from .tuning import best_tree
-        tree, table = best_tree(model, read_accuracy(heads_dir, num_heads), batch=batch, kernels=kernels)
+        tree, table = best_tree(model, read_accuracy(heads_dir, num_heads)[0], batch=batch, kernels=kernels)
         print("tree size for this hardware (expected tokens/step ÷ measured step-cost ratio):")
         for r in table:
             print(f"  budget {r['budget']:3d}: {r['nodes']:3d} nodes, E[tokens/step] {r['expected_tokens_per_step']:.2f}, "

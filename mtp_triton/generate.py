@@ -280,12 +280,13 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
         cache.cache_lens[rows] += grow.to(torch.int32)
         last = accept_nodes.gather(1, accept_len[:, None])[:, 0]             # deepest accepted node
         hidden[rows] = h_tree[torch.arange(A, device=dev), last]
-        roots = roots.clone()
         roots[rows] = bonus
         timer.stop("append", t0)
 
         # ---- emit (one host sync per step): accepted drafts, then the bonus; stop at EOS / length ----
-        acc_l, acc_n, draft_l, bonus_l = accept_len.tolist(), accept_nodes.tolist(), draft.tolist(), bonus.tolist()
+        host = torch.cat([accept_len[:, None], bonus[:, None], accept_nodes, draft], dim=1).tolist()  # one copy
+        acc_l, bonus_l = [h[0] for h in host], [h[1] for h in host]
+        acc_n, draft_l = [h[2 : 2 + T] for h in host], [h[2 + T :] for h in host]
         steps += 1
         n_emitted = 0
         for a, b in enumerate(active):
