@@ -1,12 +1,13 @@
 """mtp_triton — Multi-Token Prediction speculative decoding with handwritten Triton kernels.
 
-Public names follow ../shared/API.md: the Triton kernels at the top level, their PyTorch twins in
-`mtp_triton.reference`, the engine (`load_model`), heads, trees and `generate`.
-Kernel modules are imported lazily so that `import mtp_triton` works without a GPU or an interpreter
-flag; set TRITON_INTERPRET=1 before touching a kernel on a CPU-only machine.
+Public names: the Triton kernels at the top level, their PyTorch twins in `mtp_triton.reference`, the engine
+(`load_model`), heads, trees and `generate`. Importing the package imports no Triton kernel and changes no
+environment variable; kernel modules load on first use. To run the kernels on a CPU-only machine (in Triton's
+interpreter), call `mtp_triton.use_interpreter()` first.
 """
 from . import reference
 from .generate import GenerateResult, RuntimeConfig, generate
+from .kernels import use_interpreter
 from .heads import MTPHeads, init_heads, load_heads
 from .model import LlamaEngine, ModelConfig, load_model
 from .tree import PRESETS, Tree, get_tree
@@ -23,5 +24,6 @@ def __getattr__(name):
 
 
 __all__ = ["reference", "generate", "GenerateResult", "RuntimeConfig", "MTPHeads", "init_heads", "load_heads",
-           "LlamaEngine", "ModelConfig", "load_model", "Tree", "PRESETS", "get_tree", *_KERNELS]
+           "LlamaEngine", "ModelConfig", "load_model", "Tree", "PRESETS", "get_tree", "use_interpreter",
+           *_KERNELS]
 __version__ = "0.1.0"

@@ -14,7 +14,12 @@ def torch_ops():
     return SimpleNamespace(kind="torch", **{n: getattr(reference, n) for n in NAMES})
 
 
-def triton_ops():
+def triton_ops(device="cuda"):
+    from .kernels import interpreter_enabled
+    if not str(device).startswith("cuda") and not interpreter_enabled():
+        raise RuntimeError(f"kernels='triton' on {device}: without CUDA the Triton kernels run only in Triton's "
+                           "interpreter; call mtp_triton.use_interpreter() (or set TRITON_INTERPRET=1) before "
+                           "importing any kernel, or use kernels='torch'")
     from .kernels import accept, drafting, kv_append, tree_attention
     return SimpleNamespace(kind="triton", fused_draft=drafting.fused_draft,
                            tree_attention=tree_attention.tree_attention, tree_accept=accept.tree_accept,
@@ -26,4 +31,4 @@ def get_ops(kernels="auto", device="cpu"):
         raise ValueError(f"kernels must be 'auto', 'torch' or 'triton', got {kernels!r}")
     if kernels == "auto":
         kernels = "triton" if str(device).startswith("cuda") else "torch"
-    return triton_ops() if kernels == "triton" else torch_ops()
+    return triton_ops(device) if kernels == "triton" else torch_ops()

@@ -7,13 +7,19 @@ checks — host syncs on a GPU — for callers that built the inputs themselves;
 always checked. Shapes: B batch, T tree nodes (node 0 = root), H heads, D hidden, V vocab, L layers,
 Hq/Hkv query/key-value heads, Dh head dim, NB cache blocks, BS block size.
 """
+import importlib
+
 import torch
 import torch.nn.functional as F
 
-from .kernels.accept import check_tree_accept_inputs, check_tree_accept_sample_inputs
-from .kernels.drafting import check_fused_draft_inputs
-from .kernels.kv_append import check_kv_append_inputs
-from .kernels.tree_attention import check_tree_attention_inputs
+
+def _checks(kernel_file):
+    """The input checks of `mtp_triton/kernels/<kernel_file>.py`, shared with the twin so both reject the same inputs.
+
+    They live in the kernel files so that each file can be copied alone; they are imported on first use, so
+    importing this module neither imports triton nor fixes Triton's interpreter mode (see `use_interpreter`).
+    """
+    return importlib.import_module(f"mtp_triton.kernels.{kernel_file}")
 
 
 def _acc_dtype(dtype):
@@ -29,7 +35,7 @@ def fused_draft(hidden, res_weight, res_bias, lm_head, top_k):
     returns token_ids [B, H, top_k] int64 (descending logit, ties -> lower id) and
             logprobs  [B, H, top_k] float32 = log_softmax(logits_h) at those ids.
     """
-    check_fused_draft_inputs(hidden, res_weight, res_bias, lm_head, top_k)
+    _checks("drafting").check_fused_draft_inputs(hidden, res_weight, res_bias, lm_head, top_k)
     acc = _acc_dtype(hidden.dtype)
     x = hidden.to(acc)                                                    # [B, D]
     pre = torch.einsum("bd,hed->bhe", x, res_weight.to(acc)) + res_bias.to(acc)  # [B, H, D]
@@ -68,8 +74,8 @@ def tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree,
     cache_lens [B] int32; k_tree, v_tree [B, T, Hkv, Dh]; tree_mask [T, T] or [B, T, T] bool.
     returns out [B, T, Hq, Dh] in q's dtype.
     """
-    mask = check_tree_attention_inputs(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask,
-                                       values=check_values)
+    mask = _checks("tree_attention").check_tree_attention_inputs(
+        q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask, values=check_values)
     B, T, Hq, Dh = q.shape
     NB, BS, Hkv = k_cache.shape[:3]
     G = Hq // Hkv
@@ -126,7 +132,7 @@ def tree_accept(draft_tokens, parents, target_tokens, *, check_values=True):
     draft_tokens [B, T] int64; parents [T] or [B, T] int64; target_tokens [B, T] int64.
     returns accept_len [B] int64, accept_nodes [B, T] int64 (path from root, -1 padded), next_token [B] int64.
     """
-    parents = check_tree_accept_inputs(draft_tokens, parents, target_tokens, values=check_values)
+    parents = _checks("accept").check_tree_accept_inputs(draft_tokens, parents, target_tokens, values=check_values)
     B, T = draft_tokens.shape
     accepted = torch.zeros(B, T, dtype=torch.bool, device=draft_tokens.device)
     accepted[:, 0] = True
@@ -168,8 +174,8 @@ def tree_accept_sample(draft_tokens, parents, target_probs, u_accept, u_sample, 
     compared with this reference exactly.
     returns accept_len [B], accept_nodes [B, T], next_token [B] (as tree_accept).
     """
-    parents = check_tree_accept_sample_inputs(draft_tokens, parents, target_probs, u_accept, u_sample,
-                                              values=check_values)
+    parents = _checks("accept").check_tree_accept_sample_inputs(
+        draft_tokens, parents, target_probs, u_accept, u_sample, values=check_values)
     B, T = draft_tokens.shape
     acc = _acc_dtype(target_probs.dtype)
     accept_len = torch.zeros(B, dtype=torch.int64, device=draft_tokens.device)
@@ -206,8 +212,8 @@ def kv_append(k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, accept_
     pos = cache_lens[b] + j, i.e. block block_table[b, pos // BS], slot pos % BS.
     k_cache, v_cache [L, NB, BS, Hkv, Dh]; k_tree, v_tree [L, B, T, Hkv, Dh]. cache_lens is not changed.
     """
-    check_kv_append_inputs(k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, accept_nodes, accept_len,
-                           values=check_values)
+    _checks("kv_append").check_kv_append_inputs(
+        k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, accept_nodes, accept_len, values=check_values)
     BS = k_cache.shape[2]
     B = k_tree.shape[1]
     for b in range(B):

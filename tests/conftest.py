@@ -9,13 +9,14 @@
 """
 import os
 
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+from mtp_triton.kernels import use_interpreter
 
-import pytest  # noqa: E402
+if not torch.cuda.is_available():
+    use_interpreter()              # before any test module imports a kernel
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

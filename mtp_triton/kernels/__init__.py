@@ -1,11 +1,41 @@
 """The Triton kernels, one copyable file per family (each depends only on torch + triton).
 
-Without CUDA there is no Triton backend, so the kernels run in Triton's interpreter (numpy on the CPU):
-TRITON_INTERPRET must be set before `@triton.jit` runs, i.e. before these modules are imported.
+Importing this package imports no kernel and changes no environment variable. On a machine without CUDA, Triton
+can only run kernels in its interpreter (numpy on the CPU), and Triton decides that when `@triton.jit` runs, i.e.
+when a kernel module is first imported. So opt in first, before anything imports a kernel module:
+
+    >>> import mtp_triton
+    >>> mtp_triton.use_interpreter()          # same as setting TRITON_INTERPRET=1 before importing the kernels
+    >>> from mtp_triton.kernels.accept import tree_accept
+
+Without that, a kernel launched on CPU tensors raises a RuntimeError that says so.
 """
 import os
+import sys
 
-import torch
+KERNEL_MODULES = ("accept", "drafting", "kv_append", "tree_attention")
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+def interpreter_enabled():
+    """True when kernel modules imported now (or already imported) run in Triton's interpreter."""
+    loaded = [sys.modules[f"{__name__}.{m}"] for m in KERNEL_MODULES if f"{__name__}.{m}" in sys.modules]
+    if loaded:
+        return all(m._interpreting() for m in loaded)
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def use_interpreter():
+    """Run this process's Triton kernels in Triton's interpreter (CPU). Call it before any kernel module is imported.
+
+    Sets TRITON_INTERPRET=1 (the switch Triton reads when a kernel is decorated). Raises RuntimeError if a kernel
+    module was already imported in compiled mode: Triton cannot switch it afterwards, so restart the process (or
+    the notebook kernel) and call this first. Returns True.
+    """
+    compiled = [m for m in KERNEL_MODULES
+                if f"{__name__}.{m}" in sys.modules and not sys.modules[f"{__name__}.{m}"]._interpreting()]
+    if compiled:
+        raise RuntimeError(f"use_interpreter(): the kernel modules {compiled} were already imported without the "
+                           "interpreter; restart the process and call mtp_triton.use_interpreter() before "
+                           "importing or running any Triton kernel")
+    os.environ["TRITON_INTERPRET"] = "1"
+    return True

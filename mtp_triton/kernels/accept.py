@@ -34,15 +34,9 @@ Example:
     >>> tree_accept(draft, parents, target)             # accepts 1 (5 == target[0]) and 3 (9 == target[1])
     (tensor([2]), tensor([[ 0,  1,  3, -1]]), tensor([4]))
 """
-import os
-
 import torch
-
-if not torch.cuda.is_available():      # no GPU: Triton can only interpret; it reads this flag at @triton.jit
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+import triton
+import triton.language as tl
 
 
 def check_parents(parents, B, T, who="tree_accept", values=True):
@@ -229,6 +223,18 @@ def _tree_accept_sample_kernel(draft_ptr, parents_ptr, probs_ptr, u_accept_ptr, 
 # ----------------------------------------------------------------------------------------------------------
 # Launchers
 # ----------------------------------------------------------------------------------------------------------
+def _interpreting():
+    """True when these kernels were built for Triton's interpreter (TRITON_INTERPRET=1 at import time)."""
+    return type(_tree_accept_kernel).__name__ == "InterpretedFunction"
+
+
+def _check_backend(device):
+    if device.type != "cuda" and not _interpreting():
+        raise RuntimeError("tree_accept (Triton): tensors must be on a CUDA device, or run the kernels in Triton's "
+                           "interpreter: call mtp_triton.use_interpreter() (or set TRITON_INTERPRET=1) before "
+                           "importing them")
+
+
 def _block_t(T):
     return max(16, triton.next_power_of_2(T))
 
@@ -253,6 +259,7 @@ def tree_accept(draft_tokens, parents, target_tokens, *, check_values=True):
     B, T = draft_tokens.shape
     parents, stride_pb = _parents_arg(parents, B, T)
     dev = draft_tokens.device
+    _check_backend(dev)
     accept_len = torch.empty(B, dtype=torch.int64, device=dev)
     accept_nodes = torch.empty(B, T, dtype=torch.int64, device=dev)
     next_token = torch.empty(B, dtype=torch.int64, device=dev)
@@ -279,7 +286,8 @@ def tree_accept_sample(draft_tokens, parents, target_probs, u_accept, u_sample, 
     accept_len = torch.empty(B, dtype=torch.int64, device=dev)
     accept_nodes = torch.empty(B, T, dtype=torch.int64, device=dev)
     next_token = torch.empty(B, dtype=torch.int64, device=dev)
-    interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    _check_backend(dev)
+    interp = _interpreting()
     block_v = min(triton.next_power_of_2(V), 128 if interp else 1024)
     _tree_accept_sample_kernel[(B,)](
         draft_tokens.contiguous(), parents, target_probs, u_accept, u_sample,

@@ -39,8 +39,6 @@ Example:
 Input checks live here so this file can be copied alone (torch + triton only); the
 PyTorch twin in ``mtp_triton.reference`` imports them, so both reject the same inputs.
 """
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -263,7 +261,8 @@ def _merge_kernel(
 # ---------------------------------------------------------------------------------------------------- launcher
 
 def _interpreting():
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """True when these kernels were built for Triton's interpreter (TRITON_INTERPRET=1 at import time)."""
+    return type(_vocab_tile_kernel).__name__ == "InterpretedFunction"
 
 
 def _empty(shape, dtype, device):
@@ -308,8 +307,9 @@ def _fused_draft(hidden, res_weight, res_bias, lm_head, top_k, **overrides):
     """The launches; `overrides` replaces entries of `draft_config` (tests use it to force many small tiles)."""
     device = hidden.device
     if device.type != "cuda" and not _interpreting():
-        raise RuntimeError("fused_draft (Triton): tensors must be on a CUDA device, or set TRITON_INTERPRET=1 "
-                           "before importing mtp_triton to run the kernels on CPU")
+        raise RuntimeError("fused_draft (Triton): tensors must be on a CUDA device, or run the kernels in Triton's "
+                           "interpreter: call mtp_triton.use_interpreter() (or set TRITON_INTERPRET=1) before "
+                           "importing them")
     B, D = hidden.shape
     H, V = res_weight.shape[0], lm_head.shape[0]
     R = B * H

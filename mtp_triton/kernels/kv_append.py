@@ -151,6 +151,11 @@ def _kv_append_kernel(
     tl.store(v_cache_ptr + dst + offs, v, mask=mask)
 
 
+def _interpreting():
+    """True when this kernel was built for Triton's interpreter (TRITON_INTERPRET=1 at import time)."""
+    return type(_kv_append_kernel).__name__ == "InterpretedFunction"
+
+
 MAX_BLOCK = 2048   # elements per program: 2048 bf16 = 4 KiB of K plus 4 KiB of V, 16 B per thread-load
 
 
@@ -167,6 +172,10 @@ def _launch_kv_append(k_cache, v_cache, block_table, cache_lens, k_tree, v_tree,
     ROW = Hkv * Dh
     if B == 0 or max_tokens <= 0 or L == 0 or ROW == 0:
         return
+    if k_cache.device.type != "cuda" and not _interpreting():
+        raise RuntimeError("kv_append (Triton): tensors must be on a CUDA device, or run the kernels in Triton's "
+                           "interpreter: call mtp_triton.use_interpreter() (or set TRITON_INTERPRET=1) before "
+                           "importing them")
     BLOCK = block or min(triton.next_power_of_2(ROW), MAX_BLOCK)
     n_chunks = triton.cdiv(ROW, BLOCK)
     if max_tokens > 65535 or B > 65535:

@@ -44,15 +44,10 @@ Example:
     torch.Size([2, 3, 4, 16])
 """
 import functools
-import os
 
 import torch
-
-if not torch.cuda.is_available():      # no GPU: Triton can only interpret; it reads this flag at @triton.jit
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+import triton
+import triton.language as tl
 
 
 def check_tree_attention_inputs(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask,
@@ -249,7 +244,8 @@ _COMPUTE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float3
 
 
 def _interpreting():
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """True when these kernels were built for Triton's interpreter (TRITON_INTERPRET=1 at import time)."""
+    return type(_tree_attention_kernel).__name__ == "InterpretedFunction"
 
 
 @functools.lru_cache(maxsize=None)
@@ -279,6 +275,10 @@ def _tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree
     if q.dtype not in _COMPUTE:
         raise TypeError(f"tree_attention (Triton): dtype {q.dtype} is not supported; use fp32, fp16 or bf16 "
                         "(mtp_triton.reference.tree_attention handles fp64)")
+    if q.device.type != "cuda" and not _interpreting():
+        raise RuntimeError("tree_attention (Triton): tensors must be on a CUDA device, or run the kernels in "
+                           "Triton's interpreter: call mtp_triton.use_interpreter() (or set TRITON_INTERPRET=1) "
+                           "before importing them")
     B, T, Hq, Dh = q.shape
     _, BS, Hkv, _ = k_cache.shape
     G = Hq // Hkv

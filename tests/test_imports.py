@@ -1,0 +1,88 @@
+"""Importing the package, its references or any one kernel file changes no environment variable (in a clean
+subprocess), `mtp_triton.reference` imports no triton, and the interpreter is an explicit, checked choice."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+PROBE = r"""
+import json, os, sys
+before = dict(os.environ)
+import importlib
+importlib.import_module(sys.argv[1])
+after = dict(os.environ)
+changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+print(json.dumps({"changed": changed, "triton": "triton" in sys.modules}))
+"""
+
+MODULES = ["mtp_triton", "mtp_triton.reference", "mtp_triton.kernels", "mtp_triton.kernels.accept",
+           "mtp_triton.kernels.drafting", "mtp_triton.kernels.kv_append", "mtp_triton.kernels.tree_attention"]
+
+
+def _probe(module, env_extra=None):
+    import os
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(env_extra or {})
+    out = subprocess.run([sys.executable, "-c", PROBE, module], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_import_changes_no_environment(module):
+    assert _probe(module)["changed"] == []
+
+
+@pytest.mark.parametrize("module", ["mtp_triton", "mtp_triton.reference"])
+def test_package_and_reference_import_no_triton(module):
+    assert _probe(module)["triton"] is False
+
+
+def test_kernel_on_cpu_without_interpreter_says_what_to_do():
+    code = r"""
+import torch
+from mtp_triton.kernels.accept import tree_accept
+try:
+    tree_accept(torch.zeros(1, 2, dtype=torch.int64), torch.tensor([-1, 0]), torch.zeros(1, 2, dtype=torch.int64))
+except RuntimeError as e:
+    print("RAISED", e)
+"""
+    import os
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES")}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert "RAISED" in out.stdout and "use_interpreter" in out.stdout, out.stdout + out.stderr
+
+
+def test_use_interpreter_refuses_after_a_compiled_import():
+    code = r"""
+import mtp_triton as mt
+import mtp_triton.kernels.kv_append
+try:
+    mt.use_interpreter()
+except RuntimeError as e:
+    print("RAISED", e)
+"""
+    import os
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES")}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert "RAISED" in out.stdout and "restart" in out.stdout, out.stdout + out.stderr
+
+
+def test_triton_ops_on_cpu_need_the_interpreter():
+    code = r"""
+import mtp_triton as mt
+try:
+    mt.ops.get_ops("triton", "cpu")
+except RuntimeError as e:
+    print("RAISED", e)
+mt.use_interpreter()
+print("KIND", mt.ops.get_ops("triton", "cpu").kind)
+"""
+    import os
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES")}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert "RAISED" in out.stdout and "KIND triton" in out.stdout, out.stdout + out.stderr
