@@ -98,7 +98,7 @@ def demo(argv=None):
         print(f"\n--- prompt {i} (last line): {t.rstrip().splitlines()[-1][:70]!r}")
         print(f"serial: {tok.decode(s)[:300]!r}")
         print(f"mtp   : {'(identical)' if s == m else tok.decode(m)[:300]!r}")
-    s, m = ser.stats, mtp.stats
+    s, m = ser.stats.as_dict(), mtp.stats.as_dict()
     speedup = m["decode_tokens_per_s"] / s["decode_tokens_per_s"]
     print(f"\noutputs identical: {same}")
     print(f"tau (tokens per verify step, bonus included): {m['tokens_per_step']:.2f}")
@@ -108,9 +108,9 @@ def demo(argv=None):
     print(f"time per phase (MTP): draft {m['time_draft_s']:.2f}s, verify {m['time_verify_s']:.2f}s, accept "
           f"{m['time_accept_s']:.2f}s, append {m['time_append_s']:.2f}s")
     env = env_info(dev)
-    rows = [dict(env, run="demo", mode=mode, tree=a.tree, tree_size=r.stats["tree_size"], batch=len(prompts),
-                 max_new_tokens=a.max_new_tokens, kernels=r.stats["kernels"], tokens_per_step=r.stats["tokens_per_step"],
-                 decode_tokens_per_s=r.stats["decode_tokens_per_s"], ttft_s=r.stats["ttft_s"],
+    rows = [dict(env, run="demo", mode=mode, tree=a.tree, tree_size=r.stats.tree_size, batch=len(prompts),
+                 max_new_tokens=a.max_new_tokens, kernels=r.stats.kernels, tokens_per_step=r.stats.tokens_per_step,
+                 decode_tokens_per_s=r.stats.decode_tokens_per_s, ttft_s=r.stats.ttft_s,
                  identical=same, command="python -m mtp_triton demo " + " ".join(argv or sys.argv[2:]))
             for mode, r in (("serial", ser), ("mtp", mtp))]
     os.makedirs(a.out, exist_ok=True)
@@ -162,7 +162,7 @@ def text_generate(argv=None):
                    temperature=a.temperature, top_p=a.top_p, seed=a.seed, eos_token_id=tok.eos_token_id,
                    kernels=a.kernels)
     print(a.prompt + tok.decode(res.tokens[0]))
-    s = res.stats
+    s = res.stats.as_dict()
     print(f"\n[{s['new_tokens']} tokens, {s['steps']} steps, tau {s['tokens_per_step']:.2f}, "
           f"{s['decode_tokens_per_s']:.1f} tok/s decode, TTFT {s['ttft_s'] * 1e3:.0f} ms]", file=sys.stderr)
     return 0

@@ -10,13 +10,14 @@ uses the lossless sibling-wise rejection rule, so each emitted token is distribu
 import math
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from .ops import get_ops
 from .reference import sample_from_probs
 from .sampling import logits_to_probs
+from .stats import GenerateStats, PhaseTimer, gpu_energy_j, peak_memory_bytes, percentile
 from .tree import Tree, get_tree
 
 
@@ -45,40 +46,8 @@ class RuntimeConfig:
 
 @dataclass
 class GenerateResult:
-    tokens: list
-    stats: dict = field(default_factory=dict)
-
-
-class _PhaseTimer:
-    """Accumulates seconds per phase; on CUDA with events (no sync until the end)."""
-
-    def __init__(self, device):
-        self.cuda = torch.device(device).type == "cuda"
-        self.total = Counter()
-        self.events = []
-
-    def start(self):
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def stop(self, name, t0):
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            self.events.append((name, t0, e))
-        else:
-            self.total[name] += time.perf_counter() - t0
-
-    def result(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-            for name, a, b in self.events:
-                self.total[name] += a.elapsed_time(b) * 1e-3
-            self.events = []                      # folded in: result() can be called again
-        return self.total
+    tokens: list            # new tokens per sequence
+    stats: GenerateStats
 
 
 def _check_prompts(prompts, vocab_size, max_len):
@@ -187,8 +156,8 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
     B = len(prompts)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-        energy0 = _gpu_energy_j(dev)
-    timer = _PhaseTimer(dev)
+        energy0 = gpu_energy_j(dev)
+    timer = PhaseTimer(dev)
     # The kernels' value checks read tensors (a host sync each on a GPU). The loop builds every input itself
     # (validated tree, its own block tables and lengths), so on a GPU they are skipped inside the loop.
     check = dev.type != "cuda"
@@ -330,7 +299,11 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
     new_tokens = sum(len(o) for o in out)
     decode_tokens = new_tokens - B
     max_depth = max(reached) if reached else 0
-    stats = dict(
+    energy = None
+    if dev.type == "cuda" and energy0 is not None:
+        e1 = gpu_energy_j(dev)
+        energy = None if e1 is None else e1 - energy0
+    stats = GenerateStats(
         steps=steps, new_tokens=new_tokens,
         tokens_per_step=(decode_tokens / seq_steps) if seq_steps else float("nan"),
         accept_rate_per_depth=[accepted_at[d] / reached[d] for d in range(1, max_depth + 1)],
@@ -338,14 +311,11 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
         fallback_count=fallback_count,
         time_draft_s=phases["draft"], time_verify_s=phases["verify"], time_accept_s=phases["accept"],
         time_append_s=phases["append"], ttft_s=ttft, total_s=total,
-        itl_p50_s=_pct(itl, 50), itl_p95_s=_pct(itl, 95), itl_p99_s=_pct(itl, 99),
+        itl_p50_s=percentile(itl, 50), itl_p95_s=percentile(itl, 95), itl_p99_s=percentile(itl, 99),
         tokens_per_s=new_tokens / total, decode_tokens_per_s=decode_tokens / max(total - ttft, 1e-12),
-        peak_memory_bytes=_peak_memory(dev), energy_j=None, kernels=ops.kind, tree_size=full_tree.size,
+        peak_memory_bytes=peak_memory_bytes(dev), energy_j=energy, kernels=ops.kind, tree_size=full_tree.size,
         cache_bytes=cache.nbytes(),
     )
-    if dev.type == "cuda" and energy0 is not None:
-        e1 = _gpu_energy_j(dev)
-        stats["energy_j"] = None if e1 is None else e1 - energy0
     return GenerateResult(tokens=out, stats=stats)
 
 
@@ -409,30 +379,3 @@ def _prune(tree, max_depth):
     if max_depth == 0:
         return Tree.root_only().to(tree.parents.device)
     return Tree.from_choices([p for p in tree.paths[1:] if len(p) <= max_depth]).to(tree.parents.device)
-
-
-def _pct(xs, q):
-    if not xs:
-        return None
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
-
-
-def _peak_memory(dev):
-    if dev.type == "cuda":
-        return torch.cuda.max_memory_allocated(dev)
-    try:
-        import resource
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # process RSS high-water (Linux: KiB)
-    except Exception:
-        return None
-
-
-def _gpu_energy_j(dev):
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-        h = pynvml.nvmlDeviceGetHandleByIndex(dev.index or 0)
-        return pynvml.nvmlDeviceGetTotalEnergyConsumption(h) * 1e-3       # mJ -> J
-    except Exception:
-        return None

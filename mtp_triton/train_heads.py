@@ -687,8 +687,8 @@ def measure_tau(args):
     serial = mtp_triton.generate(model, ids, args.new_tokens, mtp=False, eos_token_id=eos, kernels=args.kernels)
     out = {"model": args.model, "heads": args.heads, "prompts": args.prompts, "num_prompts": len(ids),
            "new_tokens": args.new_tokens, "eos_token_id": eos, "kernels": args.kernels,
-           "kernels_used": serial.stats.get("kernels"),
-           "serial": {"tokens_per_step": serial.stats["tokens_per_step"], "seconds": round(time.time() - t0, 2)},
+           "kernels_used": serial.stats.kernels,
+           "serial": {"tokens_per_step": serial.stats.tokens_per_step, "seconds": round(time.time() - t0, 2)},
            "distinct_ratio": float(sum(len(set(t)) / len(t) for t in serial.tokens) / len(serial.tokens)),
            "sample": {"prompt_id": prompts[0][0], "prompt_tail": tok.decode(ids[0][-40:]),
                       "continuation": tok.decode(serial.tokens[0])},
@@ -709,7 +709,7 @@ def measure_tau(args):
         t1 = time.time()
         res = mtp_triton.generate(model, ids, args.new_tokens, heads=heads, tree=tree, eos_token_id=eos,
                                   kernels=args.kernels)
-        st = res.stats
+        st = res.stats.as_dict()
         out["trees"][name] = {"tau": st["tokens_per_step"], "nodes": tree.size, "depth": tree.max_depth,
                               "accept_rate_per_depth": st["accept_rate_per_depth"],
                               "accept_len_histogram": st["accept_len_histogram"],

@@ -22,10 +22,10 @@ def test_triton_serial_and_mtp_match_hf(case):
     assert mt.generate(model, PROMPTS, N, mtp=False, kernels="triton").tokens == ref
     heads = mt.init_heads(model, 3, seed=0)
     res = mt.generate(model, PROMPTS, N, heads=heads, tree="medusa-8", kernels="triton")
-    assert res.tokens == ref and res.stats["kernels"] == "triton"
+    assert res.tokens == ref and res.stats.kernels == "triton"
     drafter = OracleDrafter(ref, [0.9, 0.8], model.config.vocab_size)
     res = mt.generate(model, PROMPTS, N, drafter=drafter, tree="chain-2", kernels="triton")
-    assert res.tokens == ref and res.stats["tokens_per_step"] > 1.5
+    assert res.tokens == ref and res.stats.tokens_per_step > 1.5
 
 
 def test_triton_sampling_equals_torch_sampling(case):

@@ -75,7 +75,7 @@ def test_eos_as_first_token(model, serial):
 def test_mtp_switch_off_equals_serial(model, serial):
     heads = mt.init_heads(model, 4)
     res = mt.generate(model, PROMPTS, 40, heads=heads, mtp=False)
-    assert res.tokens == serial and res.stats["tree_size"] == 1
+    assert res.tokens == serial and res.stats.tree_size == 1
 
 
 def test_cold_start_is_serial_first(model, serial):
@@ -84,8 +84,8 @@ def test_cold_start_is_serial_first(model, serial):
     res = mt.generate(model, PROMPTS, 40, drafter=drafter, tree="chain-4", runtime=rt)
     assert res.tokens == serial
     # 3 sequences x 4 serial steps (tokens 2..5) accept nothing, the rest accept all 4 drafts
-    assert res.stats["accept_len_histogram"][0] == 3 * 4
-    assert res.stats["accept_len_histogram"][4] >= 3 * 7
+    assert res.stats.accept_len_histogram[0] == 3 * 4
+    assert res.stats.accept_len_histogram[4] >= 3 * 7
 
 
 def test_fallback_to_serial_when_acceptance_is_low(model, serial):
@@ -93,9 +93,9 @@ def test_fallback_to_serial_when_acceptance_is_low(model, serial):
     rt = mt.RuntimeConfig(fallback_threshold=0.2, fallback_window=3, fallback_steps=5)
     res = mt.generate(model, PROMPTS, 40, drafter=drafter, tree="chain-4", runtime=rt)
     assert res.tokens == serial
-    assert res.stats["fallback_count"] >= 3
+    assert res.stats.fallback_count >= 3
     off = mt.generate(model, PROMPTS, 40, drafter=drafter, tree="chain-4")
-    assert off.stats["fallback_count"] == 0
+    assert off.stats.fallback_count == 0
 
 
 def test_acceptance_driven_depth_grows_and_shrinks(model, serial):
@@ -103,13 +103,13 @@ def test_acceptance_driven_depth_grows_and_shrinks(model, serial):
     rt = mt.RuntimeConfig(dynamic_depth="acceptance", depth_window=2, start_depth=1)
     res = mt.generate(model, PROMPTS, 40, drafter=good, tree="chain-8", runtime=rt)
     assert res.tokens == serial
-    hist = res.stats["accept_len_histogram"]
+    hist = res.stats.accept_len_histogram
     assert len(hist) > 3 and hist[-1] > 0          # depth grew from 1 to >= 3
     bad = OracleDrafter(serial, [0.0] * 8, 203)
     res = mt.generate(model, PROMPTS, 40, drafter=bad, tree="chain-8",
                       runtime=mt.RuntimeConfig(dynamic_depth="acceptance", depth_window=2))
     assert res.tokens == serial
-    reached = res.stats["accept_rate_per_depth"]
+    reached = res.stats.accept_rate_per_depth
     assert len(reached) == 8                        # started at 8 and was cut down
 
 
@@ -133,12 +133,12 @@ def test_stats_fields(model, serial):
     for k in ["steps", "new_tokens", "tokens_per_step", "accept_rate_per_depth", "accept_len_histogram",
               "fallback_count", "time_draft_s", "time_verify_s", "time_accept_s", "time_append_s", "ttft_s",
               "itl_p50_s", "itl_p95_s", "itl_p99_s", "tokens_per_s", "peak_memory_bytes", "energy_j"]:
-        assert k in s
-    assert s["new_tokens"] == 120
-    assert sum(s["accept_len_histogram"]) * s["tokens_per_step"] == pytest.approx(120 - 3)
-    assert s["itl_p50_s"] <= s["itl_p95_s"] <= s["itl_p99_s"]
-    assert s["energy_j"] is None and s["peak_memory_bytes"] > 0
-    assert 1 >= s["accept_rate_per_depth"][0] >= s["accept_rate_per_depth"][-1] >= 0
+        assert hasattr(s, k) and k in s.as_dict()           # attributes (the API), and the CSV-row dict
+    assert s.new_tokens == 120
+    assert sum(s.accept_len_histogram) * s.tokens_per_step == pytest.approx(120 - 3)
+    assert s.itl_p50_s <= s.itl_p95_s <= s.itl_p99_s
+    assert s.energy_j is None and s.peak_memory_bytes > 0
+    assert 1 >= s.accept_rate_per_depth[0] >= s.accept_rate_per_depth[-1] >= 0
 
 
 # ---- sampling: MTP sampling is distributed exactly as serial sampling ----
@@ -182,7 +182,7 @@ def _chi2_vs_exact(model, prompt, temp, exact, tree, n=3000):
     """Chi-square of the (2nd, 3rd) new-token pairs of n MTP samples against the exact law, and its limit."""
     heads = mt.init_heads(model, 3, seed=0)
     res = mt.generate(model, [prompt] * n, 3, heads=heads, tree=tree, temperature=temp, seed=123)
-    assert res.stats["accept_rate_per_depth"][0] > 0.1          # acceptance really happened
+    assert res.stats.accept_rate_per_depth[0] > 0.1          # acceptance really happened
     counts = torch.zeros(36, dtype=torch.float64)
     for t in res.tokens:
         counts[t[1] * 6 + t[2]] += 1

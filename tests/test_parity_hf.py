@@ -28,7 +28,7 @@ def test_serial_batch3_matches_hf(case):
     _, _, model, ref = case
     res = mt.generate(model, PROMPTS_B3, N, mtp=False)
     assert res.tokens == ref
-    assert res.stats["tokens_per_step"] == 1.0
+    assert res.stats.tokens_per_step == 1.0
 
 
 @pytest.mark.parametrize("tree", ["chain-2", "chain-4", "medusa-16", "medusa-64"])
@@ -46,7 +46,7 @@ def test_mtp_high_acceptance_matches_hf(case, tree, profile):
     drafter = OracleDrafter(ref, profile, model.config.vocab_size, seed=0)
     res = mt.generate(model, PROMPTS_B3, N, drafter=drafter, tree=tree)
     assert res.tokens == ref
-    assert res.stats["tokens_per_step"] > 1.5
+    assert res.stats.tokens_per_step > 1.5
 
 
 def test_batch1_each_prompt_mtp(case):

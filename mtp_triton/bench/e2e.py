@@ -267,7 +267,7 @@ def serial_truth(model, prompts, max_new_tokens, depth, batch=1, **kw):
 
 def aggregate(results):
     """Sum a list of GenerateResults into one record: decode tokens/s over all, weighted acceptance, phases."""
-    st = [r.stats for r in results]
+    st = [r.stats.as_dict() for r in results]
     B = sum(len(r.tokens) for r in results)
     new = sum(s["new_tokens"] for s in st)
     decode_tokens = new - B

@@ -145,6 +145,7 @@ def encode(tok, text, max_new, ctx, prompt_cap=None):
 # ----------------------------------------------------------------------------------------------- metrics
 def request_metrics(stats, tree_size):
     """The per-request numbers a row carries, from generate()'s stats (histogram-derived counts included)."""
+    stats = stats.as_dict()
     hist = stats["accept_len_histogram"]
     steps_seq = sum(hist)
     depth = len(stats["accept_rate_per_depth"])
@@ -246,10 +247,10 @@ class Harness:
                 same = res["off"].tokens == res["on"].tokens
                 for mode, r in res.items():
                     row = dict(self.base, section="ab", scenario=name, item=item["id"], length=item["length"],
-                               mode=mode, tree_size=r.stats["tree_size"], prompt_tokens=len(ids),
+                               mode=mode, tree_size=r.stats.tree_size, prompt_tokens=len(ids),
                                prompt_truncated=trunc, max_new_tokens=m, identical=same,
                                first_diff=first_difference(res["off"].tokens[0], res["on"].tokens[0]),
-                               **request_metrics(r.stats, r.stats["tree_size"]))
+                               **request_metrics(r.stats, r.stats.tree_size))
                     if cfg.temperature > 0:
                         out = r.tokens[0]
                         row.update(mean_logprob=mean_logprob(self.model, ids, out),
@@ -312,8 +313,8 @@ class Harness:
             row = dict(self.base, section="long_run", request=i, error="", timeout=False, spot_check="")
             try:
                 r = self.run(ids, m, True, seed=cfg.seed + i)
-                row.update(request_metrics(r.stats, r.stats["tree_size"]))
-                n = r.stats["new_tokens"]
+                row.update(request_metrics(r.stats, r.stats.tree_size))
+                n = r.stats.new_tokens
                 if cfg.temperature == 0 and i % check_every == 0:
                     ser = self.run(ids, m, False).tokens
                     row["spot_check"] = "match" if ser == r.tokens else "MISMATCH"

@@ -26,13 +26,14 @@ from types import SimpleNamespace
 
 import torch
 
-from ..generate import _PhaseTimer, generate
+from ..generate import generate
+from ..stats import PhaseTimer
 from .common import append_rows, env_info
 
 PHASES = ("draft", "verify-attention", "verify-other", "accept", "append", "python-overhead")
 
 
-class _Timer(_PhaseTimer):
+class _Timer(PhaseTimer):
     """One-phase view of the decoder's phase timer (CUDA events on a GPU, no sync until `seconds`)."""
 
     def stop(self, t0):
@@ -87,7 +88,7 @@ def phase_times(model, prompts, max_new_tokens, gen_kw):
     tot, steps, decode_tokens = defaultdict(float), 0, 0
     with timed_attention(model.config.num_hidden_layers, model.device) as att:
         for i, p in enumerate(prompts):
-            s = generate(model, [p], max_new_tokens, **_kw(gen_kw, i)).stats
+            s = generate(model, [p], max_new_tokens, **_kw(gen_kw, i)).stats.as_dict()
             wall = s["total_s"] - s["ttft_s"]
             tot["draft"] += s["time_draft_s"]
             tot["verify"] += s["time_verify_s"]
@@ -167,7 +168,7 @@ def kernel_rows(model, prompts, max_new_tokens, name, gen_kw, base=None, top=10)
     generate(model, p, max_new_tokens, **gen_kw)                                       # warm-up
     full = _profile_kernels(lambda: generate(model, p, max_new_tokens, **gen_kw))
     first = _profile_kernels(lambda: generate(model, p, 1, **gen_kw))
-    steps = generate(model, p, max_new_tokens, **gen_kw).stats["steps"]
+    steps = generate(model, p, max_new_tokens, **gen_kw).stats.steps
     return kernel_table(full, first, steps, name, base, top)
 
 
