@@ -7,6 +7,7 @@ interpreter), call `mtp_triton.use_interpreter()` first.
 """
 from . import reference
 from .generate import GenerateResult, RuntimeConfig, generate
+from .stats import GenerateStats
 from .kernels import use_interpreter
 from .heads import MTPHeads, init_heads, load_heads
 from .model import LlamaEngine, ModelConfig, load_model
@@ -23,7 +24,7 @@ def __getattr__(name):
     raise AttributeError(f"module 'mtp_triton' has no attribute {name!r}")
 
 
-__all__ = ["reference", "generate", "GenerateResult", "RuntimeConfig", "MTPHeads", "init_heads", "load_heads",
+__all__ = ["reference", "generate", "GenerateResult", "GenerateStats", "RuntimeConfig", "MTPHeads", "init_heads", "load_heads",
            "LlamaEngine", "ModelConfig", "load_model", "Tree", "PRESETS", "get_tree", "use_interpreter",
            *_KERNELS]
 __version__ = "0.1.0"

@@ -1,13 +1,33 @@
-"""A clearly labelled SYNTHETIC drafter, for measuring the runtime apart from head quality.
+"""Drafters: what proposes the candidate tokens of a step. `propose(hidden, top_k, context) -> ids [A, H, K]`.
 
-`OracleDrafter` knows each sequence's true continuation (from a serial run of the same model) and
-proposes it at a chosen per-depth acceptance profile: head h's rank-0 candidate is the true token
-with probability profile[h] (independently per step), otherwise a wrong one; lower ranks are random
-wrong tokens, except that when rank 0 is wrong the true token sits at rank 1 with probability
-profile[h] too (so bushy trees have something to find). Verification is still real: the output is the
+`HeadsDrafter` runs MTP heads through `fused_draft` (all heads and their top-k in one call). `OracleDrafter` is a
+clearly labelled SYNTHETIC drafter for measuring the runtime apart from head quality: it knows each sequence's true
+continuation (from a serial run of the same model) and proposes it at a chosen per-depth acceptance profile: head h's
+rank-0 candidate is the true token with probability profile[h] (independently per step), otherwise a wrong one;
+lower ranks are random wrong tokens, except that when rank 0 is wrong the true token sits at rank 1 with
+probability profile[h] too (so bushy trees have something to find). Verification is still real: the output is the
 model's own, whatever is proposed — only the speed depends on the profile.
 """
 import torch
+
+
+class HeadsDrafter:
+    """MTP heads on the target's hidden state: head h's top-k candidates for the token h + 2 positions ahead."""
+    synthetic = False
+
+    def __init__(self, heads, model, ops):
+        if heads.hidden_size != model.config.hidden_size:
+            raise ValueError(f"heads hidden size {heads.hidden_size} != model hidden size {model.config.hidden_size}")
+        self.num_heads = heads.num_heads
+        self.fused_draft = ops.fused_draft
+        dev, dt = model.device, model.dtype
+        self.res_weight = heads.res_weight.detach().to(dev, dt).contiguous()        # [H, D, D]
+        self.res_bias = heads.res_bias.detach().to(dev, dt).contiguous()            # [H, D]
+        self.lm_head = model.lm_head.weight.detach()                                # [V, D], shared with the model
+
+    def propose(self, hidden, top_k, context=None):
+        ids, _ = self.fused_draft(hidden.contiguous(), self.res_weight, self.res_bias, self.lm_head, top_k)
+        return ids                                                                  # [A, H, K]
 
 
 class OracleDrafter:
@@ -22,8 +42,9 @@ class OracleDrafter:
         self.vocab_size = vocab_size
         self.gen = torch.Generator().manual_seed(seed)
 
-    def propose(self, seq_ids, emitted, top_k):
-        """seq_ids: batch rows; emitted: tokens emitted so far per row (last = root). -> ids [A, H, top_k]."""
+    def propose(self, hidden, top_k, context):
+        """context = (batch indices of the rows, tokens each has emitted so far; the last is the root)."""
+        seq_ids, emitted = context
         A, H, V = len(seq_ids), self.num_heads, self.vocab_size
         ids = torch.randint(0, V, (A, H, top_k), generator=self.gen)
         for a, (b, out) in enumerate(zip(seq_ids, emitted)):
@@ -37,4 +58,4 @@ class OracleDrafter:
                         row[0] = truth
                     elif top_k > 1 and torch.rand((), generator=self.gen) < self.profile[h]:
                         row[1] = truth
-        return ids
+        return ids.to(hidden.device)

@@ -1,19 +1,36 @@
-"""Target distributions for sampling: temperature, then top-p (nucleus), on the target's logits."""
+"""The target's choice after a node: greedy argmax at temperature 0, else a sample from temperature + top-p."""
+import math
+
 import torch
+
+from .reference import sample_from_probs
+
+
+def check_temperature(temperature, top_p=1.0):
+    """Refuse what would silently give NaN probabilities: non-numbers, NaN, inf, negative values."""
+    for name, v in (("temperature", temperature), ("top_p", top_p)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"{name} must be a finite number, got {v!r}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
 def logits_to_probs(logits, temperature=1.0, top_p=1.0):
     """logits [..., V] -> probs [..., V] (fp32 or fp64): softmax(logits / temperature), then top-p.
 
-    top-p keeps the smallest set of most-probable ids whose mass reaches top_p (the id that crosses
-    the threshold is kept; ties in probability keep the lower id first) and renormalises.
+    The max logit is subtracted before dividing, so any temperature > 0 is safe: one too small to resolve the
+    logits' differences gives the limit (all mass on the argmax, shared between exact ties), never NaN.
+    top-p keeps the smallest set of most-probable ids whose mass reaches top_p (the id that crosses the
+    threshold is kept; ties in probability keep the lower id first) and renormalises.
     """
-    if temperature <= 0:
+    check_temperature(temperature, top_p)
+    if temperature == 0:
         raise ValueError("logits_to_probs: temperature must be > 0 (use greedy decoding for 0)")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     x = logits.double() if logits.dtype == torch.float64 else logits.float()
-    probs = torch.softmax(x / temperature, dim=-1)
+    x = (x - x.amax(dim=-1, keepdim=True)) / temperature                # <= 0; -inf only far below the max
+    probs = torch.softmax(x, dim=-1)
     if top_p < 1.0:
         sorted_p, idx = torch.sort(probs, dim=-1, descending=True, stable=True)
         before = torch.cumsum(sorted_p, dim=-1) - sorted_p          # mass strictly before each id
@@ -21,3 +38,31 @@ def logits_to_probs(logits, temperature=1.0, top_p=1.0):
         probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+class Sampler:
+    """What the target would emit after each node. Greedy: argmax over fp32 logits (as transformers). Sampling: the
+    uniforms come from one seeded generator on the model's device, so a run is reproducible from its seed."""
+
+    def __init__(self, temperature=0.0, top_p=1.0, seed=None, device="cpu"):
+        check_temperature(temperature, top_p)
+        self.temperature, self.top_p = float(temperature), float(top_p)
+        self.greedy = temperature == 0
+        self.gen = None
+        if not self.greedy:
+            self.gen = torch.Generator(device=device)
+            self.gen.manual_seed(seed if seed is not None else torch.seed())
+
+    def probs(self, logits):
+        return logits_to_probs(logits, self.temperature, self.top_p)
+
+    def uniform(self, shape, like, dtype=None):
+        return torch.rand(shape, generator=self.gen, device=like.device, dtype=dtype or like.dtype)
+
+    def choose(self, logits):
+        """logits [..., V] -> token ids [...] (used for the first token, after prefill)."""
+        if self.greedy:
+            return logits.float().argmax(-1)
+        probs = self.probs(logits)
+        u = self.uniform(probs.shape[:-1], probs, torch.float32).reshape(-1)
+        return sample_from_probs(probs.reshape(-1, probs.shape[-1]), u).view(probs.shape[:-1])

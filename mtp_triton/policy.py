@@ -1,0 +1,108 @@
+"""The runtime policy: how deep each sequence drafts this step, and what it learns from the result.
+
+Speculation pays only while drafts are accepted often enough to cover the cost of verifying them. The policy
+switches it down where it does not pay, per sequence, with four rules (all off by default):
+
+- cold start: the first `cold_start_tokens` new tokens of a sequence are decoded serially (depth 0), so a
+  request starts exactly like the baseline and speculation begins once there is some context;
+- fallback: when a sequence's acceptance rate over its last `fallback_window` speculative steps drops below
+  `fallback_threshold`, it decodes serially for `fallback_steps` steps, then speculates again;
+- dynamic depth, "acceptance" rule (deterministic): every `depth_window` speculative steps of a sequence, depth + 1
+  if at least `accept_up` of them accepted the full depth, depth - 1 if fewer than `accept_down` did;
+- dynamic depth, "throughput" rule: every `depth_window` steps, all depths + 1 when emitted tokens per second rose
+  by more than `rise` since the previous window, - 1 when they fell by more than `fall` (depends on timing, so
+  not reproducible run to run).
+
+Depth d means: nodes of the candidate tree deeper than d are switched off for that sequence (their parent is set to
+-1, so they cannot be accepted). Depth 0 is a serial step. Whatever the policy decides, the output is the same:
+it changes only how many tokens each step can emit.
+"""
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass
+class RuntimeConfig:
+    """Settings of the runtime policy (see the module docstring); all rules off by default."""
+    cold_start_tokens: int = 0            # the first N new tokens of a sequence are decoded serially
+    dynamic_depth: str = None             # None | "throughput" | "acceptance"
+    depth_window: int = 8                 # steps per adjustment window
+    start_depth: int = None               # initial per-sequence depth (default: the tree's depth)
+    min_depth: int = 1
+    rise: float = 0.05                    # throughput rule: depth + 1 when throughput rose by more than 5 %
+    fall: float = 0.03                    # ... and - 1 when it fell by more than 3 %
+    accept_up: float = 0.5                # acceptance rule: + 1 when >= 50 % of the window accepted the full depth
+    accept_down: float = 0.15             # ... - 1 when < 15 % did
+    fallback_threshold: float = None      # rolling acceptance rate below which a sequence decodes serially
+    fallback_window: int = 8              # speculative steps in the rolling window
+    fallback_steps: int = 16              # serial steps before speculation is tried again
+
+    def __post_init__(self):
+        if self.dynamic_depth not in (None, "throughput", "acceptance"):
+            raise ValueError(f"dynamic_depth must be None, 'throughput' or 'acceptance', got {self.dynamic_depth!r}")
+        if self.cold_start_tokens < 0 or self.depth_window < 1 or self.min_depth < 1 or self.fallback_window < 1:
+            raise ValueError("RuntimeConfig: counts and windows must be positive")
+        if self.start_depth is not None and self.start_depth < 0:
+            raise ValueError("RuntimeConfig: start_depth must be >= 0")
+
+
+class RuntimePolicy:
+    """Per-sequence draft depth: `depths(...)` before a step, `update(...)` after it."""
+
+    def __init__(self, config, batch, max_depth):
+        self.cfg = config or RuntimeConfig()
+        self.max_depth = max_depth
+        start = self.cfg.start_depth if self.cfg.start_depth is not None else max_depth
+        self.depth = [min(start, max_depth)] * batch          # the depth each sequence would draft at
+        self.serial_until = [0] * batch                       # fallback: serial while step < serial_until[b]
+        self.window = [deque(maxlen=self.cfg.fallback_window) for _ in range(batch)]  # (accepted, depth) per step
+        self.full = [deque(maxlen=self.cfg.depth_window) for _ in range(batch)]       # accepted the full depth?
+        self.steps = 0
+        self.tput = [0, 0.0]                                  # throughput rule: tokens, seconds in this window
+        self.tput_prev = None
+
+    def depths(self, rows, emitted, done=None):
+        """Depth per row this step; rows are batch indices, emitted[b] the tokens sequence b has emitted so far."""
+        out = []
+        for b in rows:
+            serial = (len(emitted[b]) < self.cfg.cold_start_tokens or self.steps < self.serial_until[b]
+                      or (done is not None and done[b]))
+            out.append(0 if serial else self.depth[b])
+        return out
+
+    def update(self, rows, depths, accepted, emitted, seconds):
+        """Learn from a step: per row its depth, accepted drafts and emitted tokens. Returns the fallbacks it began."""
+        cfg = self.cfg
+        self.steps += 1
+        fallbacks = 0
+        for b, d, a in zip(rows, depths, accepted):
+            if d == 0:
+                continue
+            self.window[b].append((a, d))
+            self.full[b].append(a >= d)
+            if cfg.fallback_threshold is not None and len(self.window[b]) == cfg.fallback_window:
+                rate = sum(x for x, _ in self.window[b]) / max(sum(t for _, t in self.window[b]), 1)
+                if rate < cfg.fallback_threshold:
+                    self.serial_until[b] = self.steps + cfg.fallback_steps
+                    self.window[b].clear()
+                    self.full[b].clear()
+                    fallbacks += 1
+                    continue
+            if cfg.dynamic_depth == "acceptance" and len(self.full[b]) == cfg.depth_window:
+                share = sum(self.full[b]) / cfg.depth_window
+                if share >= cfg.accept_up:
+                    self.depth[b] = min(self.depth[b] + 1, self.max_depth)
+                elif share < cfg.accept_down:
+                    self.depth[b] = max(self.depth[b] - 1, cfg.min_depth)
+                self.full[b].clear()
+        if cfg.dynamic_depth == "throughput":
+            self.tput[0] += sum(emitted)
+            self.tput[1] += seconds
+            if self.steps % cfg.depth_window == 0:
+                rate = self.tput[0] / max(self.tput[1], 1e-12)
+                if self.tput_prev is not None:
+                    change = +1 if rate > self.tput_prev * (1 + cfg.rise) else \
+                        -1 if rate < self.tput_prev * (1 - cfg.fall) else 0
+                    self.depth = [min(max(d + change, cfg.min_depth), self.max_depth) for d in self.depth]
+                self.tput_prev, self.tput = rate, [0, 0.0]
+        return fallbacks

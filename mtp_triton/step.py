@@ -1,0 +1,157 @@
+"""One MTP decoding step in four phases — draft, verify, accept, append — and `mtp_step`, which composes them.
+
+    draft   the heads read the hidden state at the deepest accepted node; node i of the tree gets rank r_i of head
+            depth_i - 1 (node 0, the root, is the newest committed token)                       draft [A, T]
+    verify  ONE forward of the T nodes through the target; node i sits at position cache_len + depth_i and sees
+            the whole cache plus itself and its ancestors                                        logits [A, T, V]
+    accept  node i is accepted iff its parent is accepted and draft[i] equals the target's choice after the
+            parent; the deepest accepted node n ends the path, and the target's choice after n is the bonus
+    append  K/V of the root and the accepted nodes become the next cache positions; the bonus is the next root
+
+A serial step is the same step with the one-node tree (T = 1): nothing to draft, nothing to accept, the bonus is
+the next token. The phases are the ones Medusa names generate_candidates, tree_decoding, evaluate_posterior and
+update_inference_inputs (https://github.com/FasterDecoding/Medusa), and gpt-fast's speculative_decode.
+A = rows of the batch taking part in this step (`rows` indexes the cache), T = tree nodes, K = top-k, H = heads.
+"""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Step:
+    """What one step produced for its A rows (tensors stay on the model's device)."""
+    draft: torch.Tensor          # [A, T] token of every node (node 0 = root)
+    accept_len: torch.Tensor     # [A] accepted drafts (root excluded)
+    accept_nodes: torch.Tensor   # [A, T] root 0, then the accepted nodes by depth, then -1
+    bonus: torch.Tensor          # [A] the target's choice after the deepest accepted node: the next root
+    hidden: torch.Tensor         # [A, D] final-norm hidden state at the deepest accepted node (drives the next draft)
+
+
+def draft(drafter, hidden, roots, tree, context=None):
+    """Tokens for every node: the root, then rank tree.rank[i] of head tree.depth[i] - 1.   -> [A, T]
+
+    drafter.propose(hidden [A, D], top_k, context) -> ids [A, H, K] (`drafters.HeadsDrafter`, or the synthetic
+    `drafters.OracleDrafter`, which reads `context` = (batch indices, tokens emitted so far) instead of hidden)."""
+    tokens = roots[:, None].repeat(1, tree.size)                                    # [A, T]; node 0 = root
+    if tree.size > 1:
+        ids = drafter.propose(hidden, tree.top_k, context)                          # [A, H, K]
+        tokens[:, 1:] = ids[:, tree.depth[1:] - 1, tree.rank[1:]]
+    return tokens
+
+
+def verify(model, cache, rows, tokens, tree, ops, check_values=True, graphs=None):
+    """One forward of all nodes. -> hidden [A, T, D], k_tree, v_tree [L, A, T, Hkv, Dh], logits [A, T, V]"""
+    positions = cache.cache_lens[rows].long()[:, None] + tree.depth[None, :]       # [A, T]
+    if graphs is not None:                                  # replay a captured CUDA graph of this tree size
+        return graphs.run(model, cache, rows, tokens, positions, tree, ops)
+    hidden, k_tree, v_tree = model.forward_tree(tokens, positions, tree.mask, cache, rows, ops, check_values)
+    return hidden, k_tree, v_tree, model.logits(hidden)
+
+
+def accept(logits, tokens, parents, sampler, ops, check_values=True):
+    """The acceptance rule, lossless for greedy and for sampling.   -> accept_len [A], accept_nodes [A, T], bonus [A]
+
+    greedy:   node i is accepted iff its parent p is and tokens[i] == argmax(logits[p])   (exact match)
+    sampling: at the current node, try its children in order; child c (token x) is accepted with probability
+              p(x) / sum(p) under the current p; on rejection p(x) <- 0 and the next child is tried; when all are
+              rejected the bonus is drawn from what is left of p (so each emitted token is distributed as p)
+    """
+    if sampler.greedy:
+        target = logits.float().argmax(-1)                                          # [A, T]
+        return ops.tree_accept(tokens, parents, target, check_values=check_values)
+    probs = sampler.probs(logits).contiguous()                                      # [A, T, V]
+    A, T = tokens.shape
+    u_accept, u_sample = sampler.uniform((A, T), probs), sampler.uniform((A,), probs)
+    return ops.tree_accept_sample(tokens, parents, probs, u_accept, u_sample, check_values=check_values)
+
+
+def append(cache, rows, k_tree, v_tree, accept_nodes, accept_len, ops, check_values=True, frozen=None):
+    """K/V of the root and the accepted nodes go to positions cache_len .. cache_len + accept_len; lengths grow.
+
+    frozen [A] bool (CUDA-graph mode): finished rows rewrite their own next slots but never grow."""
+    ops.kv_append(cache.k, cache.v, cache.block_table[rows], cache.cache_lens[rows], k_tree, v_tree, accept_nodes,
+                  accept_len, check_values=check_values)
+    grow = accept_len + 1
+    if frozen is not None:
+        grow = grow.masked_fill(frozen, 0)
+    cache.cache_lens[rows] += grow.to(torch.int32)
+
+
+def mtp_step(model, cache, rows, roots, hidden, tree, drafter, sampler, ops, *, parents=None, context=None,
+             check_values=True, timer=None, graphs=None, frozen=None):
+    """draft -> verify -> accept -> append for the rows `rows` of the cache.   -> Step
+
+    roots [A] the newest committed token per row; hidden [A, D] its hidden state; tree: the candidate tree;
+    parents [T] or [A, T]: the tree's parents, with -1 for nodes a row does not use (default tree.parents).
+    context: passed to drafter.propose. timer: an optional `stats.PhaseTimer` (seconds per phase).
+    graphs: a `GraphedVerify` to replay the verify forward from (CUDA). frozen [A] bool: rows that must not grow.
+    """
+    clock = timer.start if timer else (lambda: None)
+    stop = timer.stop if timer else (lambda name, t0: None)
+    parents = tree.parents if parents is None else parents
+
+    t0 = clock()
+    tokens = draft(drafter, hidden, roots, tree, context)                           # [A, T]
+    stop("draft", t0)
+
+    t0 = clock()
+    h_tree, k_tree, v_tree, logits = verify(model, cache, rows, tokens, tree, ops, check_values, graphs)
+    stop("verify", t0)
+
+    t0 = clock()
+    accept_len, accept_nodes, bonus = accept(logits, tokens, parents, sampler, ops, check_values)
+    stop("accept", t0)
+
+    t0 = clock()
+    append(cache, rows, k_tree, v_tree, accept_nodes, accept_len, ops, check_values, frozen)
+    last = accept_nodes.gather(1, accept_len[:, None])[:, 0]                        # deepest accepted node [A]
+    h_last = h_tree[torch.arange(len(last), device=last.device), last]              # [A, D]
+    stop("append", t0)
+    return Step(tokens, accept_len, accept_nodes, bonus, h_last)
+
+
+class GraphedVerify:
+    """The verify forward (+ logits) captured as CUDA graphs, one per tree size, replayed with new inputs.
+
+    The rows must be the same at every call (graph mode runs the whole batch every step, finished rows frozen).
+
+    Possible because, with value checks off, every kernel's launch grid depends only on tensor shapes and the
+    block table's width; the cache, block table and lengths are read from their (static) storage at replay.
+    Inputs are copied into static buffers; outputs are overwritten by the next replay.
+    """
+
+    def __init__(self):
+        self.graphs = {}
+
+    def run(self, model, cache, rows, tokens, positions, tree, ops):
+        if tree.size not in self.graphs:
+            self.graphs[tree.size] = _Captured(model, cache, rows, tree, ops)
+        return self.graphs[tree.size](tokens, positions)
+
+
+class _Captured:
+    def __init__(self, model, cache, rows, tree, ops):
+        self.model, self.cache, self.rows, self.mask, self.ops = model, cache, rows, tree.mask, ops
+        self.tokens = torch.zeros(len(rows), tree.size, dtype=torch.int64, device=model.device)
+        self.positions = cache.cache_lens[rows].long()[:, None] + tree.depth[None, :]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):            # warm-up: compile/autotune outside the capture
+            for _ in range(2):
+                self._run()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = self._run()
+
+    def _run(self):
+        h, k, v = self.model.forward_tree(self.tokens, self.positions, self.mask, self.cache, self.rows, self.ops,
+                                          check_values=False)
+        return h, k, v, self.model.logits(h)
+
+    def __call__(self, tokens, positions):
+        self.tokens.copy_(tokens)
+        self.positions.copy_(positions)
+        self.graph.replay()
+        return self.out
