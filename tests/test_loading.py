@@ -252,6 +252,8 @@ def test_smollm2_config(smol):
     assert model.dtype == torch.float32 and model.lm_head.weight is model.embed_tokens.weight
     assert tok.eos_token == "<|im_end|>" and tok.convert_tokens_to_ids("<|im_end|>") == 2
     assert tok.chat_template and "<|im_start|>" in tok.chat_template
+    _, file = resolve(SMOL)                                                 # the .gguf path gives the same one
+    assert mt.load_tokenizer(file)("Paris, France")["input_ids"] == tok("Paris, France")["input_ids"]
 
 
 def test_smollm2_weights_are_transformers_dequantization(smol):
