@@ -10,7 +10,8 @@ from .generate import GenerateResult, RuntimeConfig, generate
 from .stats import GenerateStats
 from .kernels import use_interpreter
 from .heads import MTPHeads, init_heads, load_heads
-from .model import LlamaEngine, ModelConfig, load_model
+from .loading import load_model, load_tokenizer
+from .model import LlamaEngine, ModelConfig
 from .tree import PRESETS, Tree, get_tree
 
 _KERNELS = {"fused_draft": "drafting", "tree_attention": "tree_attention", "tree_accept": "accept",
@@ -24,7 +25,7 @@ def __getattr__(name):
     raise AttributeError(f"module 'mtp_triton' has no attribute {name!r}")
 
 
-__all__ = ["reference", "generate", "GenerateResult", "GenerateStats", "RuntimeConfig", "MTPHeads", "init_heads", "load_heads",
-           "LlamaEngine", "ModelConfig", "load_model", "Tree", "PRESETS", "get_tree", "use_interpreter",
-           *_KERNELS]
+__all__ = ["reference", "generate", "GenerateResult", "GenerateStats", "RuntimeConfig", "MTPHeads", "init_heads",
+           "load_heads", "LlamaEngine", "ModelConfig", "load_model", "load_tokenizer", "Tree", "PRESETS", "get_tree",
+           "use_interpreter", *_KERNELS]
 __version__ = "0.1.0"

