@@ -51,7 +51,7 @@ def prefill(model, prompts, cache, ops):
     mask = (causal[None] & real[:, None, :] & real[:, :, None]) | torch.eye(S, dtype=torch.bool, device=dev)
     positions = idx[None, :].expand(B, S)
     rows = torch.arange(B, device=dev)
-    hidden, k_tree, v_tree = model.forward_tree(tokens, positions, mask, cache, rows, ops)
+    hidden, k_tree, v_tree = model.forward_tree(tokens, positions, mask, cache, rows, ops, exact=False)
     nodes = torch.where(real, idx[None, :], -1)
     ops.kv_append(cache.k, cache.v, cache.block_table, cache.cache_lens, k_tree, v_tree, nodes, lens - 1)
     cache.cache_lens += lens.to(torch.int32)

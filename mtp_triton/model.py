@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import invariant
+
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -152,6 +154,19 @@ class Block(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, D, bias=cfg.mlp_bias)
 
 
+def _linear(layer, x):
+    return layer(x)
+
+
+def _linear_2rows(layer, x):
+    """layer(x), but a single row is computed beside a copy of itself: on the CPUs this project measured, a 1-row
+    matmul takes another code path than >= 2 rows and rounds differently, which would break invariance."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] != 1:
+        return layer(x)
+    return layer(rows.repeat(2, 1))[:1].reshape(*x.shape[:-1], -1)
+
+
 class PagedKVCache:
     """k, v [L, NB, BS, Hkv, Dh]; block_table [B, max_blocks] int32; cache_lens [B] int32.
 
@@ -210,8 +225,13 @@ class LlamaEngine(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(self.dtype)[:, :, None, :], emb.sin().to(self.dtype)[:, :, None, :]
 
+    def exact_mode(self, ops):
+        """Batch-invariant decoding (mtp_triton/invariant.py): on for bf16/fp16 models on CPU with the PyTorch
+        twins, where it makes MTP steps bit-identical to serial ones (fp32/fp64 use the plain twins)."""
+        return self.dtype in (torch.bfloat16, torch.float16) and self.device.type == "cpu" and ops.kind == "torch"
+
     @torch.no_grad()
-    def forward_tree(self, tokens, positions, tree_mask, cache, rows, ops, check_values=True):
+    def forward_tree(self, tokens, positions, tree_mask, cache, rows, ops, check_values=True, exact=None):
         """Run T nodes per sequence through all layers.
 
         tokens, positions [B, T] int64; tree_mask [T, T] or [B, T, T] bool; rows [B] int64: which cache
@@ -221,6 +241,8 @@ class LlamaEngine(nn.Module):
         check_values=False: the inputs are the same for every layer.
         Layers with a sliding window pass it to `tree_attention` (window=): the kernel derives each node's
         position from cache_lens and its depth in tree_mask, which is how `positions` are built.
+        exact: use the batch-invariant attention and never a 1-row matmul (None: `exact_mode(ops)`; prefill
+        passes False: it is the same call for serial and MTP decoding, so it needs no invariance).
         """
         cfg = self.config
         B, T = tokens.shape
@@ -230,26 +252,38 @@ class LlamaEngine(nn.Module):
         v_tree = torch.empty_like(k_tree)
         cos, sin = self.rope(positions)
         x = self.embed_tokens(tokens)                                          # [B, T, D]
+        exact = self.exact_mode(ops) if exact is None else exact
+        lin = _linear_2rows if exact else _linear
+        plans = {}                                  # exact: one attention plan per distinct window, for all layers
         for l, blk in enumerate(self.layers):
             h = blk.input_layernorm(x)
-            q = blk.q_proj(h).view(B, T, Hq, Dh)
-            k = blk.k_proj(h).view(B, T, Hkv, Dh)
-            v = blk.v_proj(h).view(B, T, Hkv, Dh)
+            q = lin(blk.q_proj, h).view(B, T, Hq, Dh)
+            k = lin(blk.k_proj, h).view(B, T, Hkv, Dh)
+            v = lin(blk.v_proj, h).view(B, T, Hkv, Dh)
             if cfg.qk_norm:
                 q, k = blk.q_norm(q), blk.k_norm(k)                            # per head, over Dh
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             k_tree[l], v_tree[l] = k, v
-            o = ops.tree_attention(q.contiguous(), cache.k[l], cache.v[l], block_table, cache_lens,
-                                   k_tree[l], v_tree[l], tree_mask, window=cfg.window(l),
-                                   check_values=check_values and l == 0)       # [B, T, Hq, Dh]
-            x = x + blk.o_proj(o.reshape(B, T, Hq * Dh))
+            if exact:
+                w = cfg.window(l)
+                if w not in plans:
+                    plans[w] = invariant.plan(block_table, cache_lens, tree_mask, cache.block_size, w)
+                o = invariant.attention(q.contiguous(), cache.k[l], cache.v[l], k_tree[l], v_tree[l], plans[w])
+            else:
+                o = ops.tree_attention(q.contiguous(), cache.k[l], cache.v[l], block_table, cache_lens,
+                                       k_tree[l], v_tree[l], tree_mask, window=cfg.window(l),
+                                       check_values=check_values and l == 0)   # [B, T, Hq, Dh]
+            x = x + lin(blk.o_proj, o.reshape(B, T, Hq * Dh))
             h = blk.post_attention_layernorm(x)
-            x = x + blk.down_proj(F.silu(blk.gate_proj(h)) * blk.up_proj(h))
+            x = x + lin(blk.down_proj, F.silu(lin(blk.gate_proj, h)) * lin(blk.up_proj, h))
         return self.norm(x), k_tree, v_tree
 
     def logits(self, hidden):
-        return self.lm_head(hidden)
+        """hidden [..., D] -> logits [..., V]. bf16/fp16 on CPU: a single row is computed as part of two, so that a
+        serial step rounds like a tree step (see invariant.py)."""
+        half_cpu = self.dtype in (torch.bfloat16, torch.float16) and self.device.type == "cpu"
+        return _linear_2rows(self.lm_head, hidden) if half_cpu else self.lm_head(hidden)
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
