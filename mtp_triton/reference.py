@@ -178,9 +178,10 @@ def tree_accept_sample(draft_tokens, parents, target_probs, u_accept, u_sample, 
     to c. On rejection p(x) <- 0 (renormalised implicitly) and the next sibling is tried. When every
     child is rejected (or n is a leaf), the bonus token is drawn from the residual p with u_sample.
     The emitted token at each depth is then distributed exactly as p (sampling without replacement).
-    draft_tokens [B, T] int64; parents [T] or [B, T]; target_probs [B, T, V] (after temperature/top-p);
-    u_accept [B, T] (entry 0 unused); u_sample [B] — the random numbers are inputs, so a kernel can be
-    compared with this reference exactly.
+    draft_tokens [B, T] int64; parents [T] or [B, T]; target_probs [B, T, V] (after temperature/top-p; finite,
+    >= 0, rows need not be normalised); u_accept [B, T] in [0, 1) (entry 0 unused); u_sample [B] in [0, 1) —
+    the random numbers are inputs, so a kernel can be compared with this reference exactly. Invalid values
+    raise ValueError unless check_values=False (then the result is unspecified).
     returns accept_len [B], accept_nodes [B, T], next_token [B] (as tree_accept).
     """
     parents = _checks("accept").check_tree_accept_sample_inputs(
