@@ -51,9 +51,9 @@ GPU tiling. The logits tile is computed transposed, [BLOCK_V, BLOCK_R] = L[v-til
 M side of the tensor-core instruction (M = 128, so Hopper's wgmma applies) and the few batch rows are the N side
 (16 .. 128). Each vocab program streams its BLOCK_V x D slice of the LM head once and re-reads z from L2:
 z bytes / LM-head bytes = R * 4 / (BLOCK_V * 2) with a bf16 head, hence BLOCK_V = 128 (a 256-row tile would halve
-that at R > 64 but needs every one of the 255 registers). The tile top-k works on the fp32 logits with
-`tl.max(..., return_indices=True)` (ties -> lowest index) and packs only each round's BLOCK_R winners, so no
-[BLOCK_V, BLOCK_R] int64 tile lives in registers (the old int64-key tile spilled).
+that at R > 64 but took all 255 registers in an ahead-of-time sm_90 compile, triton 3.7.1). The tile top-k uses
+`tl.max(..., return_indices=True)` on the fp32 logits (ties -> lowest index) and packs only each round's
+BLOCK_R winners, so no [BLOCK_V, BLOCK_R] int64 key tile lives in registers (three registers per logit).
 
 Precision: loads are upcast to fp32 and everything accumulates in fp32 (fp64 inputs are computed in fp32 too:
 logprobs agree with the fp64 reference to ~1e-5). On a GPU with fp16/bf16 LM heads the dots run on tensor cores in
@@ -62,7 +62,7 @@ so the result stays close to fp32 while the weights are read in their own dtype 
 ~2 * 2 * BLOCK_R * V * D flop per LM head). Under TRITON_INTERPRET=1 (CPU) the dots are plain fp32 (bf16 math is
 broken in the interpreter).
 
-Example (runs on CPU under TRITON_INTERPRET=1, on a GPU with cuda tensors):
+Example (CPU tensors, so run it under TRITON_INTERPRET=1; on a GPU pass cuda tensors):
     >>> import torch
     >>> import torch.nn.functional as F
     >>> g = torch.Generator().manual_seed(0)
