@@ -22,18 +22,17 @@ How the kernels avoid O(V x T) work. Only sums over V are needed, and removing a
 subtracts p(x): with p_cur[c] = p(x_c), or 0 if an earlier sibling had the same token, the renormaliser
 seen by child c is sum(p) - sum_{earlier siblings c'} p_cur[c']. And what happens at node n depends only
 on n's own row, so every node's "first accepted child" is computed at once, before the walk:
-  1. `_chunk_sums_kernel`   grid (B*T, V-chunk groups): sums[b, n, c] = sum of p_n over chunk c (CHUNK ids)
-                            and nnz[b, n, c] = its count of ids with p > 0, and the same per group of CPP
-                            chunks. Reads target_probs once: B*T*V*4 bytes (fp32), spread over every SM
-                            (8.2 MB at T = 64, V = 32000: ~2 us at 4 TB/s).
-  2. `_sample_walk_kernel`  one program per sequence: total[n] = sum_c sums[n, c] for all nodes; the
-                            accept test of every child from T gathered p(x) values; next[n] = first accepted
-                            child; the walk follows next[] in registers. At the last node n, the residual's
-                            group and chunk masses are the stored sums minus the mass of n's (all rejected)
-                            children's tokens in them (an item has mass iff its nnz minus those tokens with
-                            p > 0 is > 0: exact integers); inverse CDF coarse to fine: the first group whose
-                            cumulative mass exceeds u_sample * total, the first such chunk in it, and only
-                            that chunk's CHUNK ids are read, with n's children's tokens zeroed.
+  1. `_tree_accept_sums_kernel`, grid (B*T, V-chunk groups): sums[b, n, c] = sum of p_n over chunk c
+     (CHUNK ids) and nnz[b, n, c] = its count of ids with p > 0, and the same per group of CPP chunks.
+     Reads target_probs once: B*T*V*4 bytes (fp32), spread over every SM (8.2 MB at T = 64, V = 32000:
+     ~2 us at 4 TB/s).
+  2. `_tree_accept_walk_kernel`, one program per sequence: sum(p_n) of every node from its group sums;
+     the accept test of every child from T gathered p(x) values; next[n] = first accepted child; the
+     walk follows next[] in registers. At the last node n, the residual's group and chunk masses are the
+     stored sums minus the mass of n's (all rejected) children's tokens in them (an item has mass iff its
+     nnz minus those tokens with p > 0 is > 0: exact integers). Inverse CDF coarse to fine: the first
+     group whose cumulative mass exceeds u_sample * total, the first such chunk in it, and only that
+     chunk's CHUNK ids are read, with n's children's tokens zeroed.
 A zero-mass id is never drawn: the scan takes the first id with mass whose cdf exceeds the threshold,
 else the last id with mass in the chunk (V - 1 if the residual has no mass at all, as the reference).
 
@@ -181,8 +180,8 @@ def _tree_accept_kernel(draft_ptr, parents_ptr, target_ptr, accept_len_ptr, acce
 
 
 @triton.jit
-def _chunk_sums_kernel(probs_ptr, sums_ptr, nnz_ptr, gsums_ptr, gnnz_ptr, R, V, NC, NG,
-                       RPP: tl.constexpr, CPP: tl.constexpr, CHUNK: tl.constexpr, ACC: tl.constexpr):
+def _tree_accept_sums_kernel(probs_ptr, sums_ptr, nnz_ptr, gsums_ptr, gnnz_ptr, R, V, NC, NG,
+                             RPP: tl.constexpr, CPP: tl.constexpr, CHUNK: tl.constexpr, ACC: tl.constexpr):
     """Mass and support of every chunk and group of every row (r = b * T + n, one target distribution):
 
         sums[r, c]  = sum_{v in chunk c} p[r, v]      nnz[r, c]  = #{v in chunk c: p[r, v] > 0}
@@ -227,13 +226,13 @@ def _residual_mass(sums_ptr, nnz_ptr, item, n_items, rej_item, rej_p, rej_pos):
 
 
 @triton.jit
-def _sample_walk_kernel(draft_ptr, parents_ptr, probs_ptr, u_accept_ptr, u_sample_ptr,
-                        sums_ptr, nnz_ptr, gsums_ptr, gnnz_ptr,
-                        accept_len_ptr, accept_nodes_ptr, next_ptr, T, V, NC, NG, stride_pb,
-                        BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, CPP: tl.constexpr, CHUNK: tl.constexpr,
-                        ACC: tl.constexpr):
+def _tree_accept_walk_kernel(draft_ptr, parents_ptr, probs_ptr, u_accept_ptr, u_sample_ptr,
+                             sums_ptr, nnz_ptr, gsums_ptr, gnnz_ptr,
+                             accept_len_ptr, accept_nodes_ptr, next_ptr, T, V, NC, NG, stride_pb,
+                             BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, CPP: tl.constexpr,
+                             CHUNK: tl.constexpr, ACC: tl.constexpr):
     """One sequence: all accept tests at once, the walk along next[], then the residual's inverse CDF
-    (group -> chunk -> id) from the chunk sums of `_chunk_sums_kernel`."""
+    (group -> chunk -> id) from the chunk sums of `_tree_accept_sums_kernel`."""
     b = tl.program_id(0).to(tl.int64)           # one program per sequence
     idx = tl.arange(0, BLOCK_T)                 # [T] node ids
     valid = idx < T
@@ -391,13 +390,13 @@ def _tree_accept_sample(draft_tokens, parents, target_probs, u_accept, u_sample,
     nnz = torch.empty(B, T, NC, dtype=torch.int32, device=dev)           # [B, T, NC] ids with p > 0
     gsums = torch.empty(B, T, NG, dtype=acc, device=dev)                 # [B, T, NG] group masses
     gnnz = torch.empty(B, T, NG, dtype=torch.int32, device=dev)
-    _chunk_sums_kernel[(triton.cdiv(B * T, cfg["RPP"]), NG)](
+    _tree_accept_sums_kernel[(triton.cdiv(B * T, cfg["RPP"]), NG)](
         target_probs, sums, nnz, gsums, gnnz, B * T, V, NC, NG,
         RPP=cfg["RPP"], CPP=cfg["CPP"], CHUNK=cfg["CHUNK"], ACC=ACC, num_warps=4)
     accept_len = torch.empty(B, dtype=torch.int64, device=dev)
     accept_nodes = torch.empty(B, T, dtype=torch.int64, device=dev)
     next_token = torch.empty(B, dtype=torch.int64, device=dev)
-    _sample_walk_kernel[(B,)](
+    _tree_accept_walk_kernel[(B,)](
         draft_tokens.contiguous(), parents, target_probs, u_accept, u_sample, sums, nnz, gsums, gnnz,
         accept_len, accept_nodes, next_token, T, V, NC, NG, stride_pb,
         BLOCK_T=_block_t(T), BLOCK_G=_p2(NG, 16, 1 << 20), CPP=cfg["CPP"], CHUNK=cfg["CHUNK"], ACC=ACC,
