@@ -27,23 +27,32 @@ def _acc_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def fused_draft(hidden, res_weight, res_bias, lm_head, top_k):
-    """All H Medusa heads on one hidden state, then per-head top-k of the shared LM head.
+def fused_draft(hidden, res_weight, res_bias, lm_head, top_k, *, token_map=None, check_values=True):
+    """All H Medusa heads on one hidden state, then per-head top-k of the LM head.
 
-    head h:  z_h = x + silu(W_h x + b_h);  logits_h = lm_head @ z_h           (Medusa, Cai et al. 2024)
-    hidden [B, D]; res_weight [H, D, D]; res_bias [H, D]; lm_head [V, D]
+    head h:  z_h = x + silu(W_h x + b_h);  logits_h = L_h @ z_h           (Medusa, Cai et al. 2024)
+    hidden [B, D]; res_weight [H, D, D]; res_bias [H, D]; lm_head [V, D] (shared: L_h = lm_head) or [H, V, D]
+    (one per head: L_h = lm_head[h], as FasterDecoding's Medusa checkpoints).
+    token_map: None, or int64 [V] strictly increasing token ids (a draft vocabulary, FR-Spec / EAGLE-3's d2t):
+    lm_head holds just those V rows, the ranking is over them, and token_ids = token_map[row].
     returns token_ids [B, H, top_k] int64 (descending logit, ties -> lower id) and
-            logprobs  [B, H, top_k] float32 = log_softmax(logits_h) at those ids.
+            logprobs  [B, H, top_k] float32 = log_softmax(logits_h) at those ids (over the V rows of lm_head, i.e.
+            over the draft vocabulary when there is one).
     """
-    _checks("drafting").check_fused_draft_inputs(hidden, res_weight, res_bias, lm_head, top_k)
+    _checks("drafting").check_fused_draft_inputs(hidden, res_weight, res_bias, lm_head, top_k, token_map,
+                                                 values=check_values)
     acc = _acc_dtype(hidden.dtype)
     x = hidden.to(acc)                                                    # [B, D]
     pre = torch.einsum("bd,hed->bhe", x, res_weight.to(acc)) + res_bias.to(acc)  # [B, H, D]
     z = x[:, None, :] + F.silu(pre)                                       # [B, H, D]
-    logits = z @ lm_head.to(acc).T                                        # [B, H, V]
+    if lm_head.dim() == 2:
+        logits = z @ lm_head.to(acc).T                                    # [B, H, V]  shared LM head
+    else:
+        logits = torch.einsum("bhd,hvd->bhv", z, lm_head.to(acc))         # [B, H, V]  one LM head per head
     logp = torch.log_softmax(logits, dim=-1)
-    ids = topk_lower_id_first(logits, top_k)
-    return ids, logp.gather(-1, ids).float()
+    rows = topk_lower_id_first(logits, top_k)                             # [B, H, top_k] rows of lm_head
+    ids = rows if token_map is None else token_map[rows]                  # increasing map: lower row = lower id
+    return ids, logp.gather(-1, rows).float()
 
 
 def topk_lower_id_first(x, k):
@@ -182,9 +191,10 @@ def tree_accept_sample(draft_tokens, parents, target_probs, u_accept, u_sample, 
     to c. On rejection p(x) <- 0 (renormalised implicitly) and the next sibling is tried. When every
     child is rejected (or n is a leaf), the bonus token is drawn from the residual p with u_sample.
     The emitted token at each depth is then distributed exactly as p (sampling without replacement).
-    draft_tokens [B, T] int64; parents [T] or [B, T]; target_probs [B, T, V] (after temperature/top-p);
-    u_accept [B, T] (entry 0 unused); u_sample [B] — the random numbers are inputs, so a kernel can be
-    compared with this reference exactly.
+    draft_tokens [B, T] int64; parents [T] or [B, T]; target_probs [B, T, V] (after temperature/top-p; finite,
+    >= 0, rows need not be normalised); u_accept [B, T] in [0, 1) (entry 0 unused); u_sample [B] in [0, 1) —
+    the random numbers are inputs, so a kernel can be compared with this reference exactly. Invalid values
+    raise ValueError unless check_values=False (then the result is unspecified).
     returns accept_len [B], accept_nodes [B, T], next_token [B] (as tree_accept).
     """
     parents = _checks("accept").check_tree_accept_sample_inputs(

@@ -6,7 +6,7 @@ import torch
 from conftest import DEVICE
 
 from mtp_triton import reference
-from mtp_triton.kernels.accept import tree_accept, tree_accept_sample
+from mtp_triton.kernels.accept import _tree_accept_sample, tree_accept, tree_accept_sample
 from mtp_triton.tree import Tree
 
 BUSHY = Tree.from_choices([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0)])   # T = 9
@@ -176,6 +176,154 @@ def test_sample_zero_mass_tail(fn):
     u = torch.tensor([0.9999999, 0.3], device=DEVICE)
     _, _, nxt = fn(t64([[0], [0]]), parents, probs, torch.zeros(2, 1, device=DEVICE), u)
     assert nxt.tolist() == [1, 3]                  # all-zero row: the last id, as the reference defines it
+
+
+def random_parents(T, kind, g):
+    """A tree of T nodes: "deep" (parents within 3 indices: long chains), "bushy" (parents among the first
+    quarter: wide sibling sets), "star" (every node a child of the root)."""
+    if kind == "star":
+        return [-1] + [0] * (T - 1)
+    lo = (lambda i: max(0, i - 3)) if kind == "deep" else (lambda i: 0)
+    hi = (lambda i: i) if kind == "deep" else (lambda i: max(1, min(i, (T + 3) // 4)))
+    return [-1] + [int(torch.randint(lo(i), hi(i), (1,), generator=g)) for i in range(1, T)]
+
+
+def sparse_probs(probs, keep, g):
+    """Zero all but a random `keep` fraction of each row's ids (as top-p would), keeping the row's argmax."""
+    mask = torch.rand(probs.shape, generator=g) < keep
+    mask |= probs == probs.amax(-1, keepdim=True)
+    return probs * mask
+
+
+ODD = [  # (B, T, V, tree, dtype, sparse)
+    (3, 1, 37, "deep", torch.float32, False),          # T = 1: a serial step, the bonus is a plain sample
+    (4, 2, 1, "deep", torch.float32, False),           # V = 1: every draft is accepted (p(x) / sum = 1)
+    (5, 2, 37, "deep", torch.float32, True),
+    (3, 17, 1000, "bushy", torch.float32, True),
+    (2, 17, 5000, "deep", torch.float64, False),
+    (2, 64, 1000, "bushy", torch.float32, False),
+    (2, 64, 5000, "star", torch.bfloat16, True),
+    (2, 64, 37, "deep", torch.float16, False),
+]
+
+
+@pytest.mark.parametrize("B,T,V,tree,dtype,sparse", ODD,
+                         ids=[f"B{b}-T{t}-V{v}-{k}-{str(d)[6:]}{'-sparse' if sp else ''}" for b, t, v, k, d, sp in ODD])
+def test_sample_odd_shapes_match_reference(B, T, V, tree, dtype, sparse, sentinel_alloc):
+    """Same random numbers -> same decisions, on odd trees and vocabularies (V = 1, not a multiple of any
+    chunk, several chunk groups), with zero-mass ids (top-p style) in half the cases."""
+    g = torch.Generator().manual_seed(T * 1000 + V)
+    parents = [random_parents(T, tree, g) for _ in range(B)]
+    draft, par, probs, u_accept, u_sample = random_sample_case(B, parents, V, torch.float64, seed=T + V)
+    if sparse:
+        probs = sparse_probs(probs.cpu(), 0.3, g).to(DEVICE)
+    probs = probs.to(dtype)
+    args = (draft, par, probs, u_accept, u_sample)
+    want = reference.tree_accept_sample(*args)
+    assert_same(tree_accept_sample(*args), want, "sample")
+    if V == 1:
+        assert want[0].tolist() == [1] * B and want[2].tolist() == [0] * B
+
+
+# tiny chunks: 1000 ids = 63 chunks of 16 in 16 groups of 4 (the last group and chunk partial)
+TINY_CHUNKS = dict(CHUNK=16, CPP=4, RPP=8)
+
+
+@pytest.mark.parametrize("T,tree", [(9, "bushy"), (64, "star")], ids=["T9-bushy", "T64-star"])
+def test_sample_tiny_chunks_match_reference(T, tree, sentinel_alloc):
+    """Every level of the coarse-to-fine residual search sees many items and partial last items."""
+    B, V = 4, 1000
+    g = torch.Generator().manual_seed(T)
+    parents = [random_parents(T, tree, g) for _ in range(B)]
+    args = list(random_sample_case(B, parents, V, torch.float32, seed=T, peaked=False))
+    args[2] = sparse_probs(args[2].cpu(), 0.5, g).to(DEVICE)
+    want = reference.tree_accept_sample(*args)
+    assert_same(_tree_accept_sample(*args, **TINY_CHUNKS), want, "tiny chunks")
+
+
+@pytest.mark.parametrize("fn", ["triton", "reference"])
+def test_sample_residual_chunk_emptied_by_rejections(fn):
+    """The target's mass sits on 5 ids; the root's three children draft ids 500, 501, 502, the only ids with mass
+    in their chunk [496, 512) and group [448, 512). When all are rejected that chunk's residual is exactly 0, but
+    its stored sum minus the rejected mass need not be (another summation order): here it is +6e-8 under the
+    interpreter, and the last u puts the threshold inside that sliver. Only the exact counts of ids with mass
+    keep the draw off the emptied chunk (without them the kernel drew id 999, which has no mass)."""
+    V, n = 1000, 24
+    p = torch.zeros(V, dtype=torch.float32)
+    p[3], p[900] = 0.1, 0.25
+    p[[500, 501, 502]] = torch.tensor([0.09830883890390396, 0.1346805840730667, 0.25448256731033325])
+    parents = t64([-1, 0, 0, 0])
+    draft = t64([[0, 500, 501, 502]] * n)
+    probs = p.expand(n, 4, V).contiguous().to(DEVICE)
+    u_accept = torch.full((n, 4), 0.999, device=DEVICE)                 # every draft rejected
+    u_sample = torch.cat([torch.linspace(0, 0.9999, n - 1), torch.tensor([0.2857142984867096])]).to(DEVICE)
+    want = reference.tree_accept_sample(draft, parents, probs, u_accept, u_sample)
+    got = _tree_accept_sample(draft, parents, probs, u_accept, u_sample, **TINY_CHUNKS) if fn == "triton" else want
+    assert_same(got, want, "emptied chunk")
+    assert got[0].tolist() == [0] * n
+    assert set(got[2].tolist()) == {3, 900}, "only ids with residual mass may be drawn"
+
+
+def test_sample_inputs_inside_nan_padding(sentinel_alloc):
+    """target_probs, u_accept, u_sample are views into NaN-filled buffers: a read past a row, a chunk or the
+    vocabulary would turn a sum into NaN and change the decisions; the padding stays untouched."""
+    B, T, V = 3, 9, 300
+    args = list(random_sample_case(B, PARENTS_BUSHY, V, torch.float32, seed=5))
+    want = reference.tree_accept_sample(*args)
+    bufs = []
+    for i in (2, 3, 4):
+        t = args[i]
+        buf = torch.full((t.numel() + 2 * 64,), float("nan"), dtype=t.dtype, device=DEVICE)
+        buf[64: 64 + t.numel()].copy_(t.flatten())
+        args[i] = buf[64: 64 + t.numel()].view(t.shape)
+        bufs.append(buf)
+    for over in ({}, dict(CHUNK=16, CPP=4, RPP=4)):
+        assert_same(_tree_accept_sample(*args, **over), want, f"padded {over}")
+    for buf in bufs:
+        assert torch.isnan(buf[:64]).all() and torch.isnan(buf[-64:]).all(), "padding was written"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# invalid values: refused by both under check_values
+# ---------------------------------------------------------------------------------------------------------
+BAD_PROBS = {"negative": -1e-3, "nan": float("nan"), "inf": float("inf"), "-inf": -float("inf")}
+
+
+@pytest.mark.parametrize("fn", [tree_accept_sample, reference.tree_accept_sample], ids=["triton", "reference"])
+@pytest.mark.parametrize("bad", list(BAD_PROBS))
+def test_invalid_probs_refused(fn, bad):
+    """One negative / NaN / inf probability anywhere (here at a node off the accepted path) is refused with a
+    ValueError; check_values=False skips the (host-syncing) check and returns well-formed outputs."""
+    args = list(random_sample_case(2, PARENTS_BUSHY, 20, torch.float32, seed=6))
+    args[2] = args[2].clone()
+    args[2][1, 7, 13] = BAD_PROBS[bad]
+    with pytest.raises(ValueError, match="target_probs must be finite and >= 0"):
+        fn(*args)
+    accept_len, nodes, nxt = fn(*args, check_values=False)
+    assert accept_len.shape == (2,) and nodes.shape == (2, 9) and nxt.shape == (2,)
+
+
+@pytest.mark.parametrize("fn", [tree_accept_sample, reference.tree_accept_sample], ids=["triton", "reference"])
+@pytest.mark.parametrize("which,value", [("u_accept", 1.0), ("u_accept", -0.1), ("u_accept", float("nan")),
+                                         ("u_sample", 1.5), ("u_sample", float("nan"))],
+                         ids=["u_accept-1", "u_accept-neg", "u_accept-nan", "u_sample-1.5", "u_sample-nan"])
+def test_invalid_uniforms_refused(fn, which, value):
+    args = list(random_sample_case(2, PARENTS_BUSHY, 20, torch.float32, seed=7))
+    i = 3 if which == "u_accept" else 4
+    args[i] = args[i].clone()
+    args[i].view(-1)[-1] = value
+    with pytest.raises(ValueError, match=f"{which} must hold uniforms in \\[0, 1\\)"):
+        fn(*args)
+    fn(*args, check_values=False)                                        # skipped: no error
+
+
+@pytest.mark.parametrize("fn", [tree_accept_sample, reference.tree_accept_sample], ids=["triton", "reference"])
+def test_unused_u_accept_entry_is_not_checked(fn):
+    """u_accept[:, 0] (the root has no test) may hold anything."""
+    args = list(random_sample_case(2, PARENTS_BUSHY, 20, torch.float32, seed=8))
+    args[3] = args[3].clone()
+    args[3][:, 0] = float("nan")
+    assert_same(fn(*args), reference.tree_accept_sample(*args), "root u ignored")
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,9 +1,12 @@
 """fused_draft (Triton) vs its PyTorch twin `mtp_triton.reference.fused_draft`.
 
-Odd shapes on purpose: vocab not a multiple of the tile, D not a power of two, H = 1 and 5, top_k = 1 .. 16,
-a last vocab tile with fewer ids than top_k, integer-valued inputs whose logits tie exactly, NaN padding around the
-inputs and NaN-filled buffers handed to the kernel.
+Odd shapes on purpose: vocab not a multiple of the tile, D not a power of two, H = 1 and 5, top_k = 1 .. 16 and
+top_k = V, a last vocab tile with fewer ids than top_k, integer-valued inputs whose logits tie exactly, NaN padding
+around the inputs and NaN-filled buffers handed to the kernel; a shared LM head [V, D] and one LM head per head
+[H, V, D]; a draft vocabulary (token_map) of V' ids.
 """
+import doctest
+
 import pytest
 import torch
 
@@ -32,14 +35,26 @@ def make_inputs(B, H, D, V, dtype=torch.float32, seed=0):
     return [t.to(dtype=dtype, device=DEVICE) for t in (hidden, res_weight, res_bias, lm_head)]
 
 
-def assert_same_draft(ids, logp, inputs, top_k, atol, what):
+def per_head_lm(H, V, D, dtype=torch.float32, seed=0):
+    """[H, V, D]: every head its own LM head (as FasterDecoding's Medusa checkpoints)."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(H, V, D, generator=g) / D ** 0.25).to(dtype=dtype, device=DEVICE)
+
+
+def draft_vocab(V_full, V_draft, seed=0):
+    """A sorted random subset of V_draft ids out of V_full (a draft vocabulary's token_map)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.sort(torch.randperm(V_full, generator=g)[:V_draft]).values.to(DEVICE)
+
+
+def assert_same_draft(ids, logp, inputs, top_k, atol, what, token_map=None):
     """Kernel vs reference: logprobs within atol everywhere; ids equal wherever the reference's logit at that
     rank is separated by more than 2*atol from its neighbours (incl. rank top_k + 1), i.e. not a near-tie."""
-    ref_ids, ref_logp = reference.fused_draft(*inputs, top_k)
+    ref_ids, ref_logp = reference.fused_draft(*inputs, top_k, token_map=token_map)
     assert ids.dtype == torch.int64 and logp.dtype == torch.float32, f"{what}: dtypes {ids.dtype}, {logp.dtype}"
     assert ids.shape == ref_ids.shape, f"{what}: shape {tuple(ids.shape)} != {tuple(ref_ids.shape)}"
     assert_close(logp, ref_logp, atol=atol, rtol=1e-5, what=f"{what} logprobs")
-    V = inputs[3].shape[0]
+    V = inputs[3].shape[-2]
     ext = reference.fused_draft(*inputs, min(top_k + 1, V))[1].double()      # [B, H, top_k (+1)]
     if ext.shape[-1] == top_k:
         ext = torch.cat([ext, torch.full_like(ext[..., :1], -float("inf"))], dim=-1)
@@ -191,6 +206,203 @@ def test_bad_inputs_raise_in_both_twins(twin, case):
         fn(*args)
 
 
+# ---------------------------------------------------------------------------------------------------------
+# one LM head per head [H, V, D]
+# ---------------------------------------------------------------------------------------------------------
+PER_HEAD = [  # (B, H, D, V, top_k, tiles)
+    (3, 5, 40, 203, 10, "default"),
+    (1, 2, 48, 1007, 4, "default"),
+    (17, 2, 72, 199, 10, "small"),          # 17 rows per head over 2 row tiles, 13 vocab tiles, last one partial
+]
+
+
+@pytest.mark.parametrize("B,H,D,V,top_k,tiles", PER_HEAD,
+                         ids=[f"B{b}-H{h}-D{d}-V{v}-k{k}-{t}" for b, h, d, v, k, t in PER_HEAD])
+def test_per_head_lm_head(B, H, D, V, top_k, tiles):
+    """lm_head [H, V, D]: head h ranks with lm_head[h]. Matches the reference, and each head equals a one-head
+    draft with its own LM head (so the kernel cannot be mixing up heads' weights or rows)."""
+    hidden, res_weight, res_bias, _ = make_inputs(B, H, D, V, seed=8)
+    lm_head = per_head_lm(H, V, D, seed=9)
+    inputs = (hidden, res_weight, res_bias, lm_head)
+    over = SMALL_TILES if tiles == "small" else {}
+    ids, logp = _fused_draft(*inputs, top_k, **over)
+    assert_same_draft(ids, logp, inputs, top_k, atol=1e-4, what="per-head")
+    for h in range(H):
+        one_ids, one_logp = _fused_draft(hidden, res_weight[h:h + 1], res_bias[h:h + 1], lm_head[h], top_k, **over)
+        assert torch.equal(ids[:, h], one_ids[:, 0]), f"head {h}: ids differ from a one-head draft"
+        assert_close(logp[:, h], one_logp[:, 0], atol=1e-5, rtol=1e-5, what=f"head {h} logprobs")
+
+
+def test_per_head_lm_head_differs_from_shared():
+    """The per-head path really reads lm_head[h]: with head 1's LM head = head 0's negated, head 1's top id is
+    head 0's bottom id (and a shared head would give equal ids for equal z)."""
+    B, H, D, V, top_k = 2, 2, 40, 203, 3
+    hidden, _, _, lm0 = make_inputs(B, H, D, V, seed=10)
+    res_weight = torch.zeros(H, D, D, device=DEVICE)
+    res_bias = torch.zeros(H, D, device=DEVICE)                          # z_h = hidden for both heads
+    lm_head = torch.stack([lm0, -lm0])                                   # [H, V, D]
+    ids, _ = fused_draft(hidden, res_weight, res_bias, lm_head, top_k)
+    logits = hidden @ lm0.T                                              # [B, V], random: no ties
+    assert torch.equal(ids[:, 0], logits.topk(top_k).indices)
+    assert torch.equal(ids[:, 1], (-logits).topk(top_k).indices)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# draft vocabulary: token_map [V'] + lm_head rows of those ids
+# ---------------------------------------------------------------------------------------------------------
+MAPS = [  # (B, H, D, V_full, V_draft, top_k, per_head, tiles)
+    (3, 5, 40, 5000, 203, 10, False, "default"),     # V' = 203: not a multiple of the tile
+    (17, 2, 72, 1000, 199, 10, False, "small"),      # 13 vocab tiles of 16, the last with 7 rows < top_k
+    (2, 3, 48, 300, 37, 37, True, "small"),          # top_k == V', per-head LM heads of the draft rows
+    (1, 1, 40, 64, 1, 1, False, "default"),          # a one-token draft vocabulary
+]
+
+
+@pytest.mark.parametrize("B,H,D,V_full,V_draft,top_k,per_head,tiles", MAPS,
+                         ids=[f"B{b}-H{h}-D{d}-V{vf}-Vd{vd}-k{k}-{'ph' if ph else 'shared'}-{t}"
+                              for b, h, d, vf, vd, k, ph, t in MAPS])
+def test_token_map(B, H, D, V_full, V_draft, top_k, per_head, tiles):
+    """token_map: ranking over the V' draft rows, ids mapped back to the full vocabulary, logprobs = log_softmax
+    over the draft rows. Checked against the reference and against the same draft without a map (ids = map[row])."""
+    hidden, res_weight, res_bias, lm_full = make_inputs(B, H, D, V_full, seed=11)
+    token_map = draft_vocab(V_full, V_draft, seed=12)
+    lm_head = per_head_lm(H, V_full, D, seed=13)[:, token_map].contiguous() if per_head else lm_full[token_map]
+    inputs = (hidden, res_weight, res_bias, lm_head)
+    over = SMALL_TILES if tiles == "small" else {}
+    ids, logp = _fused_draft(*inputs, top_k, token_map=token_map, **over)
+    assert_same_draft(ids, logp, inputs, top_k, atol=1e-4, what="token_map", token_map=token_map)
+    rows, row_logp = _fused_draft(*inputs, top_k, **over)
+    assert torch.equal(ids, token_map[rows]), "ids must be token_map[row]"
+    assert torch.equal(logp, row_logp), "the map must not change the logprobs"
+    assert torch.isin(ids, token_map).all()
+    if top_k == V_draft:                                                 # every draft id exactly once per row
+        assert torch.equal(ids.sort(-1).values, token_map.expand(B, H, V_draft))
+        assert_close(logp.double().exp().sum(-1), torch.ones(B, H, dtype=torch.float64), atol=1e-5,
+                     what="probabilities over the draft vocabulary")
+
+
+def test_token_map_ties_go_to_the_lower_id():
+    """Integer inputs tie exactly: the tie rule stays "lower token id first" after the map (it is increasing)."""
+    B, H, D, V_full, top_k = 2, 2, 40, 400, 10
+    g = torch.Generator().manual_seed(14)
+    hidden = torch.randint(-2, 3, (B, D), generator=g).float().to(DEVICE)
+    lm_full = torch.randint(-1, 2, (V_full, D), generator=g).float().to(DEVICE)
+    token_map = draft_vocab(V_full, 203, seed=15)
+    lm_head = lm_full[token_map]
+    lm_head[[3, 40, 202]] = lm_head[int((hidden[0] @ lm_head.T).argmax())].clone()   # a tie at the top
+    res_weight = torch.zeros(H, D, D, device=DEVICE)
+    res_bias = torch.zeros(H, D, device=DEVICE)
+    ids, _ = _fused_draft(hidden, res_weight, res_bias, lm_head, top_k, token_map=token_map, **SMALL_TILES)
+    ref_ids, _ = reference.fused_draft(hidden, res_weight, res_bias, lm_head, top_k, token_map=token_map)
+    assert torch.equal(ids, ref_ids)
+    logits = (hidden @ lm_head.T).round().long()                         # [B, V'] exact integers
+    expect = sorted(range(len(token_map)), key=lambda r: (-int(logits[0, r]), int(token_map[r])))[:top_k]
+    assert ids[0, 0].tolist() == token_map[expect].tolist()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# check_values, bad token maps
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("twin", ["triton", "torch"])
+def test_check_values_false_skips_only_value_checks(twin):
+    """check_values=False: same results on good input; a non-increasing map is then not refused (kernel and
+    twin still agree: both map rows); shape / dtype errors are still raised."""
+    fn = fused_draft if twin == "triton" else reference.fused_draft
+    B, H, D, V = 2, 3, 40, 50
+    inputs = make_inputs(B, H, D, V, seed=16)
+    token_map = draft_vocab(1000, V, seed=17)
+    ids, logp = fn(*inputs, 5, token_map=token_map, check_values=False)
+    ref_ids, ref_logp = fn(*inputs, 5, token_map=token_map)
+    assert torch.equal(ids, ref_ids) and torch.equal(logp, ref_logp)
+    shuffled = token_map.flip(0)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        fn(*inputs, 5, token_map=shuffled)
+    ids, _ = fn(*inputs, 5, token_map=shuffled, check_values=False)
+    other = reference.fused_draft if twin == "triton" else fused_draft
+    assert torch.equal(ids, other(*inputs, 5, token_map=shuffled, check_values=False)[0])
+    with pytest.raises(ValueError, match="token_map must be"):
+        fn(*inputs, 5, token_map=token_map[:-1], check_values=False)
+    with pytest.raises(ValueError, match="top_k"):
+        fn(*inputs, V + 1, check_values=False)
+
+
+def _bad_map(name):
+    V = 50
+    good = draft_vocab(1000, V, seed=18)
+    cases = {
+        "repeated-id": (torch.cat([good[:10], good[9:-1]]), ValueError, "strictly increasing"),
+        "decreasing": (good.flip(0), ValueError, "strictly increasing"),
+        "negative": (good - int(good[0]) - 1, ValueError, "in \\[0, "),
+        "too-large": (good + 2 ** 31, ValueError, "in \\[0, "),
+        "int32": (good.int(), TypeError, "int64"),
+        "float": (good.float(), TypeError, "int64"),
+        "not-a-tensor": (good.tolist(), TypeError, "int64"),
+        "wrong-length": (good[:-1], ValueError, "token_map must be \\[50\\]"),
+        "2d": (good[None], ValueError, "token_map must be \\[50\\]"),
+        "noncontiguous": (torch.stack([good, good], 1)[:, 0], ValueError, "contiguous"),
+    }
+    return cases[name]
+
+
+BAD_MAPS = ["repeated-id", "decreasing", "negative", "too-large", "int32", "float", "not-a-tensor", "wrong-length",
+            "2d", "noncontiguous"]
+
+
+@pytest.mark.parametrize("twin", ["triton", "torch"])
+@pytest.mark.parametrize("case", BAD_MAPS)
+def test_bad_token_map_rejected_by_both_twins(twin, case):
+    token_map, exc, match = _bad_map(case)
+    fn = fused_draft if twin == "triton" else reference.fused_draft
+    inputs = make_inputs(2, 3, 40, 50)
+    with pytest.raises(exc, match=match):
+        fn(*inputs, 4, token_map=token_map)
+
+
+@pytest.mark.parametrize("twin", ["triton", "torch"])
+def test_bad_per_head_lm_head_shape(twin):
+    fn = fused_draft if twin == "triton" else reference.fused_draft
+    hidden, res_weight, res_bias, _ = make_inputs(2, 3, 40, 50)
+    for lm in (per_head_lm(2, 50, 40), per_head_lm(3, 50, 39), per_head_lm(3, 50, 40)[None]):
+        with pytest.raises(ValueError, match="lm_head must be"):
+            fn(hidden, res_weight, res_bias, lm, 4)
+
+
+def test_nan_padding_per_head_and_token_map(monkeypatch):
+    """As test_nan_padding_and_no_logits_buffer, with per-head LM heads and a draft vocabulary: inputs inside
+    NaN / sentinel padding, every launcher buffer poisoned, no [B, H, V'] buffer."""
+    B, H, D, V_draft, top_k = 3, 4, 40, 203, 10
+    hidden, res_weight, res_bias, _ = make_inputs(B, H, D, V_draft, seed=19)
+    clean = [hidden, res_weight, res_bias, per_head_lm(H, V_draft, D, seed=20), draft_vocab(3000, V_draft, seed=21)]
+    padded = []
+    for t in clean:
+        buf = poison((t.numel() + 2 * 64,), t.dtype)
+        view = buf[64: 64 + t.numel()].view(t.shape)
+        view.copy_(t)
+        padded.append((buf, view))
+    sizes = []
+
+    def poisoned_empty(shape, dtype, device):
+        sizes.append(torch.Size(shape).numel())
+        return poison(shape, dtype, device)
+
+    monkeypatch.setattr(drafting, "_empty", poisoned_empty)
+    views = [v for _, v in padded]
+    ids, logp = _fused_draft(*views[:4], top_k, token_map=views[4], **SMALL_TILES)
+    assert_same_draft(ids, logp, clean[:4], top_k, atol=1e-4, what="poisoned per-head + map", token_map=clean[4])
+    assert torch.isin(ids, clean[4]).all(), "ids outside the draft vocabulary (an unwritten sentinel?)"
+    for buf, view in padded:
+        pad = torch.cat([buf[:64], buf[64 + view.numel():]])
+        untouched = torch.isnan(pad) if pad.is_floating_point() else pad == -(2 ** 31) + 7
+        assert untouched.all(), "padding was written"
+    assert max(sizes) < B * H * V_draft, f"a buffer of {max(sizes)} elements: the logits were materialised?"
+
+
+def test_module_docstring_example_runs():
+    """The module docstring's example is a doctest (CI also runs it with --doctest-modules)."""
+    result = doctest.testmod(drafting, verbose=False)
+    assert result.attempted >= 10 and result.failed == 0, result
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("B,H,V", [(1, 4, 32000), (8, 5, 128256)], ids=["B1-H4-V32000", "B8-H5-V128256"])
 def test_llama_shapes_bf16_gpu(B, H, V):
@@ -206,6 +418,21 @@ def test_llama_shapes_bf16_gpu(B, H, V):
     extra = torch.cuda.max_memory_allocated() - base
     assert extra < B * H * V * 4, f"fused_draft allocated {extra} bytes, as much as fp32 logits"
     assert_same_draft(ids, logp, inputs, top_k, atol=2e-3, what=f"B{B}-H{H}-V{V}")
+
+
+@pytest.mark.gpu
+def test_llama_shapes_per_head_and_draft_vocab_bf16_gpu():
+    """Per-head LM heads [H, V, D] and a top-8192 draft vocabulary at Llama-7B-like shapes, bf16, vs the reference."""
+    B, H, D, V, top_k = 8, 5, 4096, 32000, 10
+    hidden, res_weight, res_bias, _ = make_inputs(B, H, D, 16, dtype=torch.bfloat16, seed=22)
+    lm_head = per_head_lm(H, V, D, dtype=torch.bfloat16, seed=23)
+    inputs = (hidden, res_weight, res_bias, lm_head)
+    ids, logp = fused_draft(*inputs, top_k)
+    assert_same_draft(ids, logp, inputs, top_k, atol=2e-3, what="per-head B8-H5-V32000")
+    token_map = draft_vocab(V, 8192, seed=24)
+    inputs = (hidden, res_weight, res_bias, lm_head[0, token_map].contiguous())
+    ids, logp = fused_draft(*inputs, top_k, token_map=token_map)
+    assert_same_draft(ids, logp, inputs, top_k, atol=2e-3, what="draft vocab 8192", token_map=token_map)
 
 
 def test_bench_rows_and_plot(tmp_path):
