@@ -23,10 +23,13 @@ class HeadsDrafter:
         dev, dt = model.device, model.dtype
         self.res_weight = heads.res_weight.detach().to(dev, dt).contiguous()        # [H, D, D]
         self.res_bias = heads.res_bias.detach().to(dev, dt).contiguous()            # [H, D]
-        self.lm_head = model.lm_head.weight.detach()                                # [V, D], shared with the model
+        # the rows drafting scores: the model's LM head [V, D], the heads' own [H, V, D], or a draft vocabulary's
+        # rows [V', D] with token_map [V'] mapping row -> token id (all prepared once, here)
+        self.lm_head, self.token_map = heads.draft_weights(model.lm_head.weight)
 
     def propose(self, hidden, top_k, context=None):
-        ids, _ = self.fused_draft(hidden.contiguous(), self.res_weight, self.res_bias, self.lm_head, top_k)
+        ids, _ = self.fused_draft(hidden.contiguous(), self.res_weight, self.res_bias, self.lm_head, top_k,
+                                  token_map=self.token_map)
         return ids                                                                  # [A, H, K]
 
 

@@ -91,7 +91,11 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
         drafter = HeadsDrafter(heads, model, ops)
     if not mtp:
         drafter = None
-    full_tree = get_tree(tree, drafter.num_heads).to(dev) if drafter is not None else Tree.root_only().to(dev)
+    if drafter is None:
+        full_tree = Tree.root_only().to(dev)
+    else:                                       # tree=None: the tree stored with the heads, else the default
+        stored = getattr(heads, "tree", None) if isinstance(drafter, HeadsDrafter) else None
+        full_tree = get_tree(tree if tree is not None else stored, drafter.num_heads).to(dev)
     trees = _SubTrees(full_tree)
     policy = RuntimePolicy(runtime, len(prompts), full_tree.max_depth)
     rec = StatsRecorder(dev, len(prompts))

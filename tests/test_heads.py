@@ -326,9 +326,6 @@ def test_medusa_heads_decode_losslessly(medusa_case, tree):
     assert mt.generate(model, prompts, 24, heads=heads, tree=t).tokens == ref
 
 
-@pytest.mark.xfail(strict=True, reason="needs generate() to draft with heads.draft_weights(model.lm_head.weight) "
-                                       "and fused_draft(..., token_map=...) (the lead's drafting change); remove "
-                                       "this mark when it lands")
 def test_generate_drafts_with_the_heads_own_lm_heads(medusa_case, monkeypatch):
     import mtp_triton as mt
     model, heads, prompts, ref = medusa_case
@@ -343,3 +340,12 @@ def test_generate_drafts_with_the_heads_own_lm_heads(medusa_case, monkeypatch):
     monkeypatch.setattr(mt.reference, "fused_draft", spy)
     assert mt.generate(model, prompts, 24, heads=heads, tree="chain-2", kernels="torch").tokens == ref
     assert seen and all(lm is want_lm and tm is want_tm for lm, tm in seen)
+
+
+def test_generate_uses_the_tree_stored_with_the_heads(medusa_case):
+    import mtp_triton as mt
+    model, heads, prompts, ref = medusa_case
+    heads.tree = [(0,), (1,), (0, 0)]
+    res = mt.generate(model, prompts, 24, heads=heads)                       # tree=None: the stored one
+    assert res.tokens == ref and res.stats.tree_size == 4
+    assert mt.generate(model, prompts, 24, heads=heads, tree="chain-2").stats.tree_size == 3   # an explicit tree wins
