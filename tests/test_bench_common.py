@@ -1,6 +1,5 @@
 """Benchmark plumbing: CSV rows that survive a Ctrl-C or a full disk (real signals and real file-size limits in
 subprocesses), the output-folder check, trees by name, and bench modules that import without side effects."""
-import csv
 import json
 import os
 import signal
@@ -10,26 +9,14 @@ import textwrap
 import time
 
 import pytest
+from bench_helpers import EMBEDDED, ROOT, child_env, read_csv
 
 from mtp_triton.bench import common
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EMBEDDED = os.path.join(ROOT, "data", "tiny-stdlib-llama")
 
 
 def rows_of(n, start=0, pad=900, **extra):
     return [dict(i=start + k, name=f"row {start + k}", pad="x" * pad, **extra) for k in range(n)]
-
-
-def read(path):
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
-
-
-def child_env():
-    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1")
-    env.pop("TRITON_INTERPRET", None)
-    return env
 
 
 # ---- append_rows: the format ----
@@ -38,7 +25,7 @@ def test_append_rows_extends_the_header_and_keeps_the_rows(tmp_path):
     common.append_rows(path, [dict(a=1, b="x")])
     common.append_rows(path, [dict(a=2, c=3.5)])                            # new column: the header grows
     common.append_rows(path, [dict(c=4, a=3)])                              # known columns: appended as they are
-    assert read(path) == [dict(a="1", b="x", c=""), dict(a="2", b="", c="3.5"), dict(a="3", b="", c="4")]
+    assert read_csv(path) == [dict(a="1", b="x", c=""), dict(a="2", b="", c="3.5"), dict(a="3", b="", c="4")]
     assert open(path, "rb").read().startswith(b"a,b,c\r\n1,x,\r\n")          # lines end as csv writes them
 
 
@@ -48,14 +35,14 @@ def test_append_with_a_known_header_only_adds_bytes(tmp_path):
     before = path.read_bytes()
     common.append_rows(path, rows_of(2, start=3, pad=5))
     after = path.read_bytes()
-    assert after.startswith(before) and len(read(path)) == 5
+    assert after.startswith(before) and len(read_csv(path)) == 5
 
 
 def test_append_rows_to_a_file_without_a_final_newline_rewrites_it(tmp_path):
     path = tmp_path / "r.csv"
     path.write_bytes(b"i,name\r\n0,a")                                      # e.g. written by another tool
     common.append_rows(path, [dict(i=1, name="b")])
-    assert read(path) == [dict(i="0", name="a"), dict(i="1", name="b")]
+    assert read_csv(path) == [dict(i="0", name="a"), dict(i="1", name="b")]
 
 
 # ---- append_rows: interrupted and failed writes ----
@@ -117,7 +104,7 @@ def test_sigint_at_any_moment_keeps_whole_batches(tmp_path, delay):
         p.wait(timeout=60)
     finally:
         p.kill()
-    rows = read(path)
+    rows = read_csv(path)
     batches = {}
     for r in rows:
         assert None not in r and None not in r.values(), "a torn row"
@@ -237,5 +224,5 @@ def test_kernel_bench_cli_without_a_gpu_switches_to_the_interpreter(tmp_path):
                         "--batches", "1", "--accept-lens", "0"], capture_output=True, text=True, env=env,
                        cwd=ROOT, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
-    rows = read(out)
+    rows = read_csv(out)
     assert rows and all(r["interpreter"] == "True" for r in rows)

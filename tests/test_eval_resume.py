@@ -12,32 +12,20 @@ import sys
 import time
 
 import pytest
+from bench_helpers import EMBEDDED, ROOT, child_env, read_csv
 
 from mtp_triton.__main__ import main as cli
 from mtp_triton.bench import eval_harness
 from mtp_triton.bench import evaluate as ev
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EMBEDDED = os.path.join(ROOT, "data", "tiny-stdlib-llama")
 QUICK = ["--model", EMBEDDED, "--quick", "--scenarios", "short_completion", "--no-edge", "--no-progress"]
-
-
-def read(path):
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
-
-
-def child_env():
-    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1")
-    env.pop("TRITON_INTERPRET", None)
-    return env
 
 
 def assert_whole_rows(path, before):
     """The file still starts with `before`, byte for byte, and every row after it is complete."""
     data = open(path, "rb").read()
     assert data.startswith(before)
-    rows = read(path)
+    rows = read_csv(path)
     assert all(None not in r and None not in r.values() for r in rows), "a torn row"
     assert data.endswith(b"\r\n")
     return rows
@@ -61,14 +49,14 @@ def copy_of(earlier, tmp_path):
 def test_sigint_during_a_long_run_keeps_the_finished_requests(earlier, tmp_path):
     out, before = copy_of(earlier, tmp_path)
     csv_path = os.path.join(out, "eval.csv")
-    n_before = len(read(csv_path))
+    n_before = len(read_csv(csv_path))
     p = subprocess.Popen([sys.executable, "-m", "mtp_triton", "eval", *QUICK, "--long-run", "1000000", "--out", out],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=ROOT)
     try:
         seen, deadline = 0, time.time() + 240
         while seen < 3 and time.time() < deadline and p.poll() is None:      # wait for 3 finished long-run requests
             time.sleep(0.2)
-            seen = sum(r["section"] == "long_run" for r in read(csv_path)[n_before:])
+            seen = sum(r["section"] == "long_run" for r in read_csv(csv_path)[n_before:])
         assert seen >= 3, "no long-run rows appeared while the run was going"
         p.send_signal(signal.SIGINT)
         _, err = p.communicate(timeout=120)
@@ -84,7 +72,7 @@ def test_sigint_during_a_long_run_keeps_the_finished_requests(earlier, tmp_path)
     done = [r for r in new if r["section"] == "long_run"]
     tokens = sum(max(int(r["new_tokens"]), 1) for r in done)
     assert cli(["eval", *QUICK, "--long-run", str(tokens), "--out", out, "--resume"]) == 0
-    added = read(csv_path)[n_before + len(new):]
+    added = read_csv(csv_path)[n_before + len(new):]
     assert [r["section"] for r in added] == ["long_summary"]
     assert int(added[0]["requests"]) == len(done)
     assert "rows kept from earlier runs" in open(os.path.join(out, "report.md")).read()
@@ -95,7 +83,7 @@ def test_full_disk_keeps_the_earlier_results_byte_identical(earlier, tmp_path):
     rows of the requests that fit are there, whole."""
     out, before = copy_of(earlier, tmp_path)
     csv_path = os.path.join(out, "eval.csv")
-    n_before = len(read(csv_path))
+    n_before = len(read_csv(csv_path))
     per_row = len(before) / (n_before + 1)
     blocks = -int(-(len(before) + 2.5 * per_row) // 1024)                   # room for one A/B pair, maybe two
 
@@ -128,13 +116,13 @@ def test_resume_runs_only_the_unfinished_requests(tmp_path, monkeypatch):
         assert cli(args) == 130
     except KeyboardInterrupt:                                             # would stop pytest itself
         pytest.fail("main() let the KeyboardInterrupt through instead of keeping the rows and exiting 130")
-    first = read(os.path.join(out, "eval.csv"))
+    first = read_csv(os.path.join(out, "eval.csv"))
     assert [(r["scenario"], r["mode"]) for r in first] == [("short_completion", "off"), ("short_completion", "on")] * 2
 
     calls.clear()
     monkeypatch.setattr(eval_harness, "generate", interrupt_at(0))       # count only
     assert cli(args + ["--resume"]) == 0
-    rows = read(os.path.join(out, "eval.csv"))
+    rows = read_csv(os.path.join(out, "eval.csv"))
     ab = [r for r in rows if r["section"] == "ab"]
     keys = [(r["scenario"], r["item"], r["mode"]) for r in ab]
     assert len(keys) == len(set(keys)) == 8                               # 2 sets x 2 items x 2 modes, once each
@@ -155,7 +143,7 @@ def test_resume_of_a_finished_run_runs_nothing(earlier, tmp_path, monkeypatch):
 def test_resume_reports_the_failures_the_kept_rows_record(earlier, tmp_path, capsys):
     out, _ = copy_of(earlier, tmp_path)
     path = os.path.join(out, "eval.csv")
-    rows = read(path)
+    rows = read_csv(path)
     for r in rows:
         if r["section"] == "ab":
             r["identical"], r["first_diff"] = "False", "3"                 # as a broken engine would have left them
