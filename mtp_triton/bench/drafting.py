@@ -12,21 +12,12 @@ V * D * bytes / time, next to the measured device copy bandwidth (`copy_bandwidt
 """
 import argparse
 import os
-import sys
 
 import torch
 import torch.nn.functional as F
 
-# Without a GPU the kernels run in the Triton interpreter, which must be on before @triton.jit runs. If a package
-# import already built them without it, main() re-runs this module with the variable set.
-_REEXEC = (not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
-           and "mtp_triton.kernels.drafting" in sys.modules)
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from .. import reference  # noqa: E402
-from ..kernels.drafting import fused_draft  # noqa: E402
-from .common import append_rows, copy_bandwidth, env_info, time_fn  # noqa: E402
+from .. import reference
+from .common import add_output_args, copy_bandwidth, env_info, interpreter_unless_cuda, save_rows, time_fn
 
 GPU_SHAPES = [  # (B, H, D, V)
     (1, 4, 4096, 32000), (8, 4, 4096, 32000), (1, 5, 4096, 32000),
@@ -56,7 +47,10 @@ def make_inputs(B, H, D, V, dtype, device, seed=0):
 
 
 def run(shapes=None, top_k=10, dtype=torch.bfloat16, providers=None, device=None):
-    """Time every provider on every shape; returns rows (dicts) stamped with env_info()."""
+    """Time every provider on every shape; returns rows (dicts) stamped with env_info().
+
+    Without CUDA, call mtp_triton.use_interpreter() first (main() does)."""
+    from ..kernels.drafting import fused_draft         # imported here: the interpreter choice comes first
     on_gpu = torch.cuda.is_available() if device is None else str(device).startswith("cuda")
     device = torch.device("cuda" if on_gpu else "cpu")
     interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -143,16 +137,13 @@ def _parse_shapes(text):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="results/drafting.csv", help="CSV to append rows to")
-    ap.add_argument("--plot", default=None, help="also draw the rows of this run to this PNG")
+    add_output_args(ap, "results/drafting.csv")
     ap.add_argument("--top-k", type=int, default=10)
     ap.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
     ap.add_argument("--shapes", default=None, help='"B,H,D,V;B,H,D,V" (default: Llama-7B-like on GPU, tiny on CPU)')
     ap.add_argument("--providers", default=None, help="comma list of triton-fused,torch-unfused,torch-compile")
     args = ap.parse_args(argv)
-    if _REEXEC:
-        os.execv(sys.executable, [sys.executable, "-m", "mtp_triton.bench.drafting",
-                                  *(sys.argv[1:] if argv is None else argv)])
+    interpreter_unless_cuda("mtp_triton.bench.drafting", argv)
     if not torch.cuda.is_available():
         print("no GPU: tiny shapes, Triton interpreter on CPU (the numbers only show the pipeline runs)")
     rows = run(shapes=_parse_shapes(args.shapes) if args.shapes else None, top_k=args.top_k,
@@ -161,11 +152,7 @@ def main(argv=None):
         print(f"{r['provider']:>14} B{r['B']} H{r['H']} D{r['D']} V{r['V']}: {r['time_us']:10.1f} us  "
               f"LM head {r['lm_head_GBps']:8.1f} GB/s ({100 * r['lm_head_frac_of_copy']:5.1f} % of copy)  "
               f"x{r['speedup_vs_unfused']:.2f} vs unfused  err {r['max_logprob_err']:.1e}")
-    append_rows(args.out, rows)
-    print(f"appended {len(rows)} rows to {args.out}")
-    if args.plot:
-        plot(rows, args.plot)
-        print(f"plot: {args.plot}")
+    save_rows(rows, args.out, plot, args.plot)
 
 
 if __name__ == "__main__":

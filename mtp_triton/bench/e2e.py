@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -28,12 +27,10 @@ import torch
 from ..drafters import OracleDrafter
 from ..generate import generate
 from ..model import LlamaEngine, ModelConfig
+from ..stats import gpu_energy_j  # noqa: F401  (kept importable as e2e.gpu_energy_j)
 from ..tree import Tree, get_tree
-from .common import append_rows, env_info
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-EMBEDDED = os.path.join(ROOT, "data", "tiny-stdlib-llama")
-PROMPTS = os.path.join(ROOT, "data", "prompts", "thirdparty_code.jsonl")
+from .common import EMBEDDED, PROMPTS, ensure_writable_dir, env_info, int_at_least, save_rows
+from .hf_baseline import hf_row, hf_twin, time_hf  # noqa: F401  (the HF baseline, kept importable from here)
 
 # Llama-2-7B (Touvron et al. 2023): 6.7 B parameters, 13.5 GB in bf16.
 LLAMA7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
@@ -82,24 +79,6 @@ def oracle_acc(profile, top_k=2):
     if top_k > 1:
         acc[:, 1] = (1 - p) * p
     return acc
-
-
-def gpu_energy_j(device):
-    """Cumulative GPU energy in J from NVML (None where it cannot be read: CPU, no pynvml, old GPU)."""
-    if torch.device(device).type != "cuda":
-        return None
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-        h = pynvml.nvmlDeviceGetHandleByIndex(torch.device(device).index or 0)
-        return pynvml.nvmlDeviceGetTotalEnergyConsumption(h) * 1e-3          # mJ -> J
-    except Exception:
-        return None
-
-
-def _sync(device):
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # ---- targets ----------------------------------------------------------------------------------------------
@@ -297,71 +276,6 @@ def aggregate(results):
         tree_size=st[0]["tree_size"])
 
 
-def hf_twin(model):
-    """A `transformers.LlamaForCausalLM` holding exactly `model`'s weights (same device and dtype)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    c = model.config
-    kw = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-              num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-              num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
-              rope_theta=c.rope_theta, max_position_embeddings=c.max_position_embeddings,
-              tie_word_embeddings=c.tie_word_embeddings, attention_bias=c.attention_bias, mlp_bias=c.mlp_bias,
-              bos_token_id=None, eos_token_id=c.eos_token_id, pad_token_id=None, attn_implementation="sdpa")
-    if c.rope_scaling:
-        kw["rope_scaling"] = dict(c.rope_scaling)
-    with torch.device(model.device):
-        hf = LlamaForCausalLM(LlamaConfig(**kw))
-    hf = hf.to(model.dtype).eval()
-    sd = {}
-    for k, v in model.state_dict().items():
-        if k == "inv_freq":
-            continue
-        if k.startswith("layers."):
-            i, rest = k[len("layers."):].split(".", 1)
-            sub = "self_attn." if rest.split(".")[0] in ("q_proj", "k_proj", "v_proj", "o_proj") else (
-                "mlp." if rest.split(".")[0] in ("gate_proj", "up_proj", "down_proj") else "")
-            k = f"model.layers.{i}.{sub}{rest}"
-        elif k != "lm_head.weight":
-            k = "model." + k
-        sd[k] = v
-    missing, unexpected = hf.load_state_dict(sd, strict=False)
-    missing = [m for m in missing if "rotary_emb" not in m and not (c.tie_word_embeddings and m == "lm_head.weight")]
-    if missing or unexpected:
-        raise RuntimeError(f"hf_twin: weights do not map: missing {missing[:4]}, unexpected {unexpected[:4]}")
-    return hf
-
-
-def time_hf(hf, prompts, max_new_tokens, eos_token_id=None):
-    """HF greedy `generate` one prompt at a time: decode tokens/s (prefill excluded as for ours), tokens/J, tokens."""
-    dev = hf.device
-    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=eos_token_id)
-    decode_s, decode_tokens, new, energy, tokens = 0.0, 0, 0, 0.0, []
-    for p in prompts:
-        ids = torch.tensor([p], device=dev)
-        with torch.no_grad():
-            hf.generate(ids, max_new_tokens=min(8, max_new_tokens), **kw)           # warm-up
-            _sync(dev)
-            t0 = time.perf_counter()
-            hf.generate(ids, max_new_tokens=1, **kw)
-            _sync(dev)
-            t_first = time.perf_counter() - t0
-            e0 = gpu_energy_j(dev)
-            t0 = time.perf_counter()
-            out = hf.generate(ids, max_new_tokens=max_new_tokens, **kw)
-            _sync(dev)
-            t_all = time.perf_counter() - t0
-            e1 = gpu_energy_j(dev)
-        gen = out[0, len(p):].tolist()
-        tokens.append(gen)
-        new += len(gen)
-        decode_tokens += len(gen) - 1
-        decode_s += max(t_all - t_first, 1e-9)
-        energy = None if energy is None or e0 is None or e1 is None else energy + (e1 - e0)
-    return dict(tokens=tokens, new_tokens=new, decode_tokens=decode_tokens, decode_s=decode_s,
-                decode_tokens_per_s=decode_tokens / decode_s, energy_j=energy,
-                tokens_per_j=(new / energy) if energy else None, tokens_per_step=1.0)
-
-
 def _fmt_rates(rates):
     return json.dumps([round(r, 4) for r in rates])
 
@@ -408,61 +322,59 @@ def ab_rows(target, drafting, max_new_tokens, batches=(1,), tree=None, kernels="
     return rows
 
 
-def hf_row(target, max_new_tokens, ours_serial, base):
-    """HF generate(do_sample=False) on a twin holding the same weights, batch 1, vs our serial engine."""
-    twin = hf_twin(target.model)
-    try:
-        r = time_hf(twin, target.prompts, max_new_tokens, target.eos_token_id)
-    finally:
-        del twin
-        if target.model.device.type == "cuda":
-            torch.cuda.empty_cache()
-    same = sum(a == b for a, b in zip(r["tokens"], ours_serial["tokens"]))
-    return dict(base, provider="hf-generate", batch=1, config="serial", tree_size=1, kernels="transformers (sdpa)",
-                tokens_per_s=r["decode_tokens_per_s"], ms_per_token=1e3 / r["decode_tokens_per_s"],
-                speedup_vs_serial=r["decode_tokens_per_s"] / ours_serial["decode_tokens_per_s"], tau=1.0,
-                energy_j=r["energy_j"], tokens_per_j=r["tokens_per_j"],
-                identical_to_serial=same == len(r["tokens"]),
-                note=f"HF vs our serial engine (batch 1): {same}/{len(r['tokens'])} sequences token-identical; "
-                     "speedup_vs_serial = HF tok/s / ours")
-
-
-def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m mtp_triton.bench.e2e", description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="out/e2e.csv", help="CSV to append rows to")
+def add_target_args(ap):
+    """The options of every end-to-end measurement: which model, where, how big, whose drafts."""
     ap.add_argument("--shape", default="embedded", choices=["embedded", "llama7b"])
     ap.add_argument("--model", default=EMBEDDED, help="checkpoint folder with heads/ (embedded shape)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--quick", action="store_true", help="tiny sizes (always on CPU)")
     ap.add_argument("--profile", default="seed80", help="synthetic acceptance profile for llama7b (seed80, 0.9, ...)")
-    ap.add_argument("--batches", default=None, help="comma list of batch sizes (default 1,4 on GPU, 1,2 else)")
-    ap.add_argument("--max-new-tokens", type=int, default=None)
+    ap.add_argument("--max-new-tokens", type=int_at_least(1), default=None)
     ap.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"])
-    ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
-    a = ap.parse_args(argv)
+
+
+def target_from_args(a, cpu_note):
+    """(target, drafting, quick) for the parsed `add_target_args` options (and --out, checked first: a CSV path);
+    None when the suite cannot run here (the reason is printed). Without a GPU, `cpu_note` is printed and the run
+    is quick."""
+    ensure_writable_dir(os.path.dirname(os.path.abspath(a.out)))            # before the compute
     gpu = torch.cuda.is_available() and (a.device is None or str(a.device).startswith("cuda"))
     if not gpu:
-        print("no GPU: CPU run at tiny size (as --quick) — these are CPU numbers (torch ops), not GPU numbers")
+        print(cpu_note)
     quick = a.quick or not gpu
     try:
         target = load_target(a.shape, a.model, a.device, quick=quick)
     except RuntimeError as e:
         print(f"skipped: {e}")
-        return 0
+        return None
     drafting = oracle_drafting(a.profile) if a.shape == "llama7b" else heads_drafting(target)
+    return target, drafting, quick
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m mtp_triton.bench.e2e", description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="out/e2e.csv", help="CSV to append rows to")
+    add_target_args(ap)
+    ap.add_argument("--batches", default=None, help="comma list of batch sizes (default 1,4 on GPU, 1,2 else)")
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    a = ap.parse_args(argv)
+    found = target_from_args(a, "no GPU: CPU run at tiny size (as --quick) — these are CPU numbers (torch ops), "
+                                "not GPU numbers")
+    if found is None:
+        return 0
+    target, drafting, quick = found
     n = a.max_new_tokens or (12 if quick else 128)
     batches = [int(b) for b in a.batches.split(",")] if a.batches else ([1, 2] if quick else [1, 4])
     if max(batches) > len(target.prompts):
         target.prompts = (target.prompts * max(batches))[: max(batches)]
     print(f"{target.suite}: {target.description}; drafts from {drafting.label}; batches {batches}, "
           f"{n} new tokens, prompt length {target.prompt_len}")
-    rows = ab_rows(target, drafting, n, batches, kernels=a.kernels, hf=not a.no_hf)
-    for r in rows:
-        print(f"{r['provider']:12} batch {r['batch']:>2} {r['config']:6} {r['tokens_per_s']:9.1f} tok/s "
-              f"x{r['speedup_vs_serial']:.2f} tau {r['tau']:.2f}  identical {r['identical_to_serial']}")
-    append_rows(a.out, [dict(r, command="python -m mtp_triton.bench.e2e " + " ".join(
-        sys.argv[1:] if argv is None else argv)) for r in rows])
-    print(f"appended {len(rows)} rows to {a.out}")
+    command = "python -m mtp_triton.bench.e2e " + " ".join(sys.argv[1:] if argv is None else argv)
+    save_rows([dict(r, command=command) for r in ab_rows(target, drafting, n, batches, kernels=a.kernels,
+                                                          hf=not a.no_hf)], a.out,
+              line=lambda r: f"{r['provider']:12} batch {r['batch']:>2} {r['config']:6} {r['tokens_per_s']:9.1f} "
+                             f"tok/s x{r['speedup_vs_serial']:.2f} tau {r['tau']:.2f}  identical "
+                             f"{r['identical_to_serial']}")
     return 0
 
 

@@ -21,7 +21,8 @@ import torch
 
 from .. import reference
 from ..kernels.kv_append import _launch_kv_append, kv_append
-from .common import append_rows, copy_bandwidth, env_info, time_fn
+from .common import (add_output_args, copy_bandwidth, env_info, interpreter_unless_cuda, png_next_to, save_figure,
+                     save_rows, time_fn)
 
 MODELS = {
     "llama-7b": dict(L=32, Hkv=32, Dh=128),
@@ -162,33 +163,26 @@ def plot(rows, path):
             ax.set_title(f"{model}, {fixkey.replace('_', ' ')} = {fixval}", fontsize=9)
             ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
-    dev = rows[0]["device"] if rows else ""
     interp = " (Triton interpreter: not kernel speed)" if rows and str(rows[0]["interpreter"]) == "True" else ""
-    fig.suptitle(f"kv_append on {dev}{interp}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return path
+    fig.suptitle(f"kv_append on {rows[0]['device'] if rows else ''}{interp}", fontsize=10)
+    return save_figure(fig, path, close=True)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="results/kv_append.csv", help="CSV to append rows to")
-    ap.add_argument("--plot", default=None, help="PNG path for the plot (default: next to --out)")
+    add_output_args(ap, "results/kv_append.csv", png_next_to_csv=True)
     ap.add_argument("--models", nargs="*", default=None, choices=sorted(MODELS))
     ap.add_argument("--batches", nargs="*", type=int, default=None)
     ap.add_argument("--accept-lens", nargs="*", type=int, default=None)
     args = ap.parse_args(argv)
+    interpreter_unless_cuda("mtp_triton.bench.kv_append", argv)
     if not torch.cuda.is_available():
         print("no GPU: tiny CPU size through the Triton interpreter (times measure the interpreter)")
     rows = bench_kv_append(models=args.models, batches=args.batches, accept_lens=args.accept_lens)
-    append_rows(args.out, rows)
-    for r in rows:
-        print(f"{r['model']:11} B {r['batch']:>2} accept {r['accept_len']} {r['provider']:16} "
-              f"{r['time_s'] * 1e6:10.1f} us {r['gbps']:8.2f} GB/s  x{r['speedup_vs_per_layer']:.2f} vs per-layer")
-    png = args.plot or args.out.rsplit(".", 1)[0] + ".png"
-    plot(rows, png)
-    print(f"wrote {len(rows)} rows to {args.out}, plot {png}")
+    save_rows(rows, args.out, plot, args.plot or png_next_to(args.out),
+              line=lambda r: f"{r['model']:11} B {r['batch']:>2} accept {r['accept_len']} {r['provider']:16} "
+                             f"{r['time_s'] * 1e6:10.1f} us {r['gbps']:8.2f} GB/s  x{r['speedup_vs_per_layer']:.2f} "
+                             "vs per-layer")
 
 
 if __name__ == "__main__":

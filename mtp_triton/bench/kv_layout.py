@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import append_rows, env_info, time_fn
+from .common import add_output_args, env_info, png_next_to, save_figure, save_rows, time_fn
 
 LAYOUTS = ("contiguous", "paged", "interleaved")
 _LAYOUT_ID = {name: i for i, name in enumerate(LAYOUTS)}
@@ -226,32 +226,22 @@ def plot(rows, path):
             ax.set_title(f"{impl}: {pattern} {n} tok/seq", fontsize=9)
             ax.set_ylabel("GB/s (read + write)")
     axes[0][0].legend(fontsize=8)
-    dev = rows[0]["device"] if rows else ""
-    fig.suptitle(f"KV layouts on {dev}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return path
+    fig.suptitle(f"KV layouts on {rows[0]['device'] if rows else ''}", fontsize=10)
+    return save_figure(fig, path, close=True)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="results/kv_layout.csv", help="CSV to append rows to")
-    ap.add_argument("--plot", default=None, help="PNG path for the plot (default: next to --out)")
+    add_output_args(ap, "results/kv_layout.csv", png_next_to_csv=True)
     ap.add_argument("--full", action="store_true", help="full sizes even on CPU (slow)")
     ap.add_argument("--n-interleave", type=int, default=8, help="blocks a sequence is interleaved over")
     args = ap.parse_args(argv)
     full = True if args.full else None
     if not torch.cuda.is_available() and not args.full:
         print("no GPU: running at small CPU size (torch ops only; numbers are CPU numbers)")
-    rows = layout_rows(full=full, n_interleave=args.n_interleave)
-    append_rows(args.out, rows)
-    for r in rows:
-        print(f"{r['pattern']:6} {r['layout']:11} {r['impl']:12} heads {r['kv_heads']:>2} tok {r['tokens']:>5}: "
-              f"{r['time_s'] * 1e6:9.1f} us  {r['gbps']:7.2f} GB/s")
-    png = args.plot or args.out.rsplit(".", 1)[0] + ".png"
-    plot(rows, png)
-    print(f"wrote {len(rows)} rows to {args.out}, plot {png}")
+    save_rows(layout_rows(full=full, n_interleave=args.n_interleave), args.out, plot, args.plot or png_next_to(args.out),
+              line=lambda r: f"{r['pattern']:6} {r['layout']:11} {r['impl']:12} heads {r['kv_heads']:>2} tok "
+                             f"{r['tokens']:>5}: {r['time_s'] * 1e6:9.1f} us  {r['gbps']:7.2f} GB/s")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import torch
 
 from ..generate import generate
 from ..stats import PhaseTimer
-from .common import append_rows, env_info
+from .common import env_info, png_next_to, save_rows
 
 PHASES = ("draft", "verify-attention", "verify-other", "accept", "append", "python-overhead")
 
@@ -216,28 +216,17 @@ def plot_phases(rows, ax=None, path=None):
 
 
 def main(argv=None):
-    from .e2e import EMBEDDED, default_tree, heads_drafting, load_target, oracle_drafting, serial_truth
+    from .e2e import add_target_args, default_tree, serial_truth, target_from_args
     ap = argparse.ArgumentParser(prog="python -m mtp_triton.bench.profile_step", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="out/profile.csv", help="CSV to append rows to (the PNG goes next to it)")
-    ap.add_argument("--shape", default="embedded", choices=["embedded", "llama7b"])
-    ap.add_argument("--model", default=EMBEDDED)
-    ap.add_argument("--device", default=None)
-    ap.add_argument("--quick", action="store_true", help="tiny sizes (always on CPU)")
-    ap.add_argument("--profile", default="seed80", help="synthetic acceptance profile (llama7b)")
-    ap.add_argument("--max-new-tokens", type=int, default=None)
-    ap.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"])
+    add_target_args(ap)
     a = ap.parse_args(argv)
-    gpu = torch.cuda.is_available() and (a.device is None or str(a.device).startswith("cuda"))
-    if not gpu:
-        print("no GPU: CPU phase times at tiny size (as --quick, torch ops) — the split on a GPU is very different")
-    quick = a.quick or not gpu
-    try:
-        t = load_target(a.shape, a.model, a.device, quick=quick)
-    except RuntimeError as e:
-        print(f"skipped: {e}")
+    found = target_from_args(a, "no GPU: CPU phase times at tiny size (as --quick, torch ops) — the split on a GPU "
+                                "is very different")
+    if found is None:
         return 0
+    t, d, quick = found
     n = a.max_new_tokens or (12 if quick else 64)
-    d = oracle_drafting(a.profile) if a.shape == "llama7b" else heads_drafting(t)
     tree = default_tree(t, d)
     kw = dict(kernels=a.kernels, eos_token_id=t.eos_token_id)
     truth = serial_truth(t.model, t.prompts, n, d.num_heads, **kw)
@@ -255,10 +244,7 @@ def main(argv=None):
         else:
             print(f"{r['config']:10} {r['table']:17} {r.get('kernel', r.get('category'))[:60]:60} "
                   f"{r['gpu_ms_per_step']:8.3f} ms/step")
-    append_rows(a.out, rows)
-    png = a.out.rsplit(".", 1)[0] + ".png"
-    plot_phases(rows, path=png)
-    print(f"appended {len(rows)} rows to {a.out}; plot {png}")
+    save_rows(rows, a.out, lambda rows, png: plot_phases(rows, path=png), png_next_to(a.out))
     return 0
 
 

@@ -25,18 +25,13 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .common import append_rows, copy_bandwidth, env_info, time_fn
+from .common import add_output_args, copy_bandwidth, env_info, interpreter_unless_cuda, save_rows, time_fn
 
 LAYOUTS = {"llama-7b": (32, 32, 128), "llama3-8b": (32, 8, 128), "tiny": (4, 2, 32)}   # Hq, Hkv, Dh
 GPU_GRID = dict(layouts=("llama-7b", "llama3-8b"), contexts=(1024, 4096, 8192, 32768), tree_sizes=(1, 16, 64),
                 batches=(1, 4, 16))
 CPU_GRID = dict(layouts=("tiny",), contexts=(64, 192), tree_sizes=(1, 16), batches=(1, 2))
 PROVIDERS = ("triton", "sdpa", "sdpa+gather", "reference")
-
-
-def _ensure_interpreter():
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def bench_tree(T):
@@ -97,9 +92,9 @@ def run(layouts=None, contexts=None, tree_sizes=None, batches=None, providers=PR
         block_size=16, copy_bw=None, progress=False):
     """Benchmark every (layout, context, T, batch, provider); returns a list of row dicts stamped with env_info.
 
-    Defaults: the full grid on a GPU (bf16), a tiny grid on CPU (fp32, interpreter).
+    Defaults: the full grid on a GPU (bf16), a tiny grid on CPU (fp32, interpreter: call
+    mtp_triton.use_interpreter() first; main() does).
     """
-    _ensure_interpreter()
     from ..kernels.tree_attention import tree_attention
     from .. import reference
 
@@ -200,23 +195,19 @@ def plot(rows, path=None):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="results/tree_attention.csv", help="CSV to append rows to")
-    ap.add_argument("--plot", default=None, help="also draw the rows of this run to this image")
+    add_output_args(ap, "results/tree_attention.csv")
     ap.add_argument("--contexts", type=int, nargs="*", help="cached tokens per sequence (default: the grid)")
     ap.add_argument("--tree-sizes", type=int, nargs="*", help="T values (default: the grid)")
     ap.add_argument("--batches", type=int, nargs="*", help="batch sizes (default: the grid)")
     ap.add_argument("--layouts", nargs="*", choices=sorted(LAYOUTS), help="head layouts (default: the grid)")
     ap.add_argument("--providers", nargs="*", choices=PROVIDERS, default=list(PROVIDERS))
     args = ap.parse_args(argv)
+    interpreter_unless_cuda("mtp_triton.bench.tree_attention", argv)
     if not torch.cuda.is_available():
         print("No CUDA GPU: running tiny sizes in the Triton interpreter (times measure the interpreter, "
               "not the kernel).")
     rows = run(args.layouts, args.contexts, args.tree_sizes, args.batches, tuple(args.providers), progress=True)
-    append_rows(args.out, rows)
-    print(f"appended {len(rows)} rows to {args.out}")
-    if args.plot:
-        plot(rows, args.plot)
-        print(f"plot: {args.plot}")
+    save_rows(rows, args.out, plot, args.plot)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,355 @@
+"""The evaluation harness: one model, its heads, a tokenizer and an EvalConfig; five sections, each adding rows.
+
+    ab        MTP off vs on over the scenario sets (the quality gate and the performance numbers)
+    sweep     the same prompts with many trees (depth, size, candidate width)
+    long_run  N tokens in many requests (drift, memory, errors, timeouts, spot checks against serial)
+    edge      bad and edge inputs, then a normal request that must still match serial
+    compat    a batch of different-length prompts against the single requests
+
+The rows of a finished request go to `sink` at once (the CLI appends them to eval.csv), so an interrupted run
+keeps every request it completed. `kept` are rows of earlier runs (--resume): a request whose rows are there for
+the same configuration and device (`row_key`) is not run again; its rows are reused and the failures they record
+are reported again.
+"""
+import hashlib
+import sys
+import time
+import uuid
+
+import torch
+
+from ..generate import RuntimeConfig, generate
+from ..tree import PRESETS, Tree
+from .common import env_info, tree_by_name
+from .eval_metrics import (current_memory, describe_mismatch, failures_in_rows, first_difference, long_run_summary,
+                           mean_logprob, num, request_metrics, sampled_quality, section_rows)
+
+# What identifies a request within a section (with the configuration and the device, see row_key).
+REQUEST_KEYS = {"ab": ("scenario", "item", "mode"), "quality": ("scenario", "metric"), "sweep": ("sweep_tree", "item"),
+                "long_run": ("request", "item"), "long_summary": ("long_run_tokens",), "edge": ("case",),
+                "compat": ("case",)}
+QUALITY_METRICS = ("mean_logprob", "distinct_ratio", "new_tokens")
+
+
+def row_key(row):
+    """(configuration, device, section, the section's request fields) as strings: equal for a typed row and the
+    same row read back from eval.csv."""
+    s = row.get("section")
+    return (str(row.get("config")), str(row.get("device")), s, *(str(row.get(k)) for k in REQUEST_KEYS.get(s, ())))
+
+
+def fingerprint(module):
+    """12 hex digits that change when any weight does: a hash of every parameter's name, shape and sum."""
+    h = hashlib.sha1()
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            h.update(f"{name}{tuple(p.shape)}{float(torch.sum(p, dtype=torch.float64)):.12e}".encode())
+    return h.hexdigest()[:12]
+
+
+def config_id(cfg, model, heads):
+    """Everything that changes what a request measures, readable: the weights (fingerprints) and the settings."""
+    return (f"model {fingerprint(model)} heads {fingerprint(heads)} tree {cfg.tree} T {cfg.temperature} "
+            f"top_p {cfg.top_p} seed {cfg.seed} kernels {cfg.kernels} fallback {cfg.fallback} max_new_cap "
+            f"{cfg.max_new_cap} prompt_cap {cfg.prompt_cap} sweep_tokens {cfg.sweep_tokens} long_request_tokens "
+            f"{cfg.long_request_tokens} edge_limit_tokens {cfg.edge_limit_tokens}")
+
+
+def sweep_tree_names(num_heads):
+    names = [f"chain-{n}" for n in range(1, min(8, num_heads) + 1)]
+    names += [f"medusa-{n}" for n in (8, 16, 32, 64) if Tree.from_choices(PRESETS[f"medusa-{n}"]).max_depth <= num_heads]
+    return names + ["tuned"] + [f"width-{k}" for k in (2, 4, 8)]
+
+
+def encode(tok, text, max_new, ctx, prompt_cap=None):
+    """Prompt ids cut from the left so that prompt + max_new fits the context: (ids, max_new, truncated)."""
+    ids = tok(text)["input_ids"]
+    max_new = max(1, min(max_new, ctx - 32))
+    keep = ctx - max_new if prompt_cap is None else min(prompt_cap, ctx - max_new)
+    return ids[-keep:], max_new, len(ids) > keep
+
+
+def _bar(total, desc, cfg, unit="it"):
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc, unit=unit, disable=not cfg.progress, leave=False, file=sys.stderr)
+
+
+class Harness:
+    """Holds the model, heads, tokenizer and config of one run; each section adds rows (see the module docstring)."""
+
+    def __init__(self, model, heads, tok, cfg, heads_dir=None, sink=None, kept=()):
+        self.model, self.heads, self.tok, self.cfg = model, heads, tok, cfg
+        self.ctx = model.config.max_position_embeddings
+        self.eos = getattr(tok, "eos_token_id", None)
+        self.tree = tree_by_name(cfg.tree, heads.num_heads, heads_dir)
+        self.heads_dir = heads_dir
+        self.runtime = RuntimeConfig(fallback_threshold=cfg.fallback) if cfg.fallback is not None else None
+        self.env = env_info(model.device)
+        self.config = config_id(cfg, model, heads)
+        self.base = dict(self.env, run_id=uuid.uuid4().hex[:8], config=self.config, tree=cfg.tree,
+                         tree_size=self.tree.size, tree_depth=self.tree.max_depth, temperature=cfg.temperature,
+                         top_p=cfg.top_p)
+        self.rows, self.failures = [], []
+        self.sink, self.kept_rows, self.warm = sink, 0, False
+        self.kept = {row_key(r): r for r in kept}          # a later row of the same request wins
+
+    # ---- plumbing: run, record, reuse ----
+    def run(self, ids, max_new, mtp, tree=None, temperature=None, seed=None, eos=-1, batch=False):
+        """One request (or a batch when batch=True) with everything but the MTP switch fixed by the config."""
+        t = self.cfg.temperature if temperature is None else temperature
+        return generate(self.model, ids if batch else [ids], max_new, heads=self.heads if mtp else None, mtp=mtp,
+                        tree=tree or self.tree, temperature=t, top_p=self.cfg.top_p,
+                        seed=self.cfg.seed if seed is None else seed, eos_token_id=self.eos if eos == -1 else eos,
+                        kernels=self.cfg.kernels, runtime=self.runtime)
+
+    def warm_up(self, scenarios):
+        """Once per process, before the first measured request: serial and MTP on a short prompt, not recorded."""
+        if not self.warm:
+            first = next(iter(scenarios.values()))[0]
+            ids, _, _ = encode(self.tok, first["text"], 4, self.ctx, self.cfg.prompt_cap)
+            self.run(ids, 4, False)
+            self.run(ids, 4, True)
+            self.warm = True
+
+    def fail(self, section, message):
+        self.failures.append(f"[{section}] {message}")
+
+    def record(self, rows):
+        """The rows of one finished request (or check): kept here and handed to the sink now."""
+        self.rows += rows
+        if self.sink is not None:
+            self.sink(rows)
+
+    def reuse(self, section, *requests):
+        """--resume: the kept rows of these requests (dicts of their REQUEST_KEYS) if all are there, else None."""
+        rows = [self.kept.get(row_key(dict(self.base, section=section, **r))) for r in requests]
+        if not rows or any(r is None for r in rows):
+            return None
+        return self._take(rows)
+
+    def reuse_section(self, section):
+        """--resume for a section written in one piece (edge, compat): all its kept rows, or None."""
+        rows = [r for k, r in self.kept.items() if k[:3] == (self.config, self.env["device"], section)]
+        return self._take(rows) if rows else None
+
+    def _take(self, rows):
+        self.rows += rows
+        self.kept_rows += len(rows)
+        for section, message in failures_in_rows(rows):
+            self.fail(section, message)
+        return rows
+
+    # ---- A/B over the scenario sets ----
+    def ab(self, scenarios):
+        cfg = self.cfg
+        bar = _bar(sum(len(v) for v in scenarios.values()), "A/B requests", cfg)
+        for name, items in scenarios.items():
+            for k, item in enumerate(items):
+                if not self.reuse("ab", *[dict(scenario=name, item=item["id"], mode=m) for m in ("off", "on")]):
+                    self.warm_up(scenarios)
+                    self.record(self._ab_item(name, k, item))
+                bar.update(1)
+        bar.close()
+        if cfg.temperature > 0:
+            for name in scenarios:
+                if self.reuse("quality", *[dict(scenario=name, metric=m) for m in QUALITY_METRICS]):
+                    continue
+                rows = [dict(self.base, section="quality", scenario=name, **q) for q in sampled_quality(self.rows, name)]
+                for q in rows:
+                    if q["ok"] is False:
+                        self.fail("quality", f"{name}: {q['metric']} differs: on {q['on']:.4f} vs off {q['off']:.4f}"
+                                             f" (|diff| {abs(q['diff']):.4f} > tolerance {q['tolerance']:.4f})")
+                self.record(rows)
+
+    def _ab_item(self, name, k, item):
+        """Serial and MTP on one item, same prompt, max_new_tokens, seed; the order alternates so drift hits both."""
+        cfg = self.cfg
+        cap = min(item["max_new_tokens"], cfg.max_new_cap or item["max_new_tokens"])
+        ids, m, trunc = encode(self.tok, item["text"], cap, self.ctx, cfg.prompt_cap)
+        order = ("off", "on") if k % 2 == 0 else ("on", "off")
+        res = {mode: self.run(ids, m, mode == "on", seed=cfg.seed + k) for mode in order}
+        res = {"off": res["off"], "on": res["on"]}
+        same = res["off"].tokens == res["on"].tokens
+        rows = []
+        for mode, r in res.items():
+            row = dict(self.base, section="ab", scenario=name, item=item["id"], length=item["length"],
+                       mode=mode, tree_size=r.stats.tree_size, prompt_tokens=len(ids),
+                       prompt_truncated=trunc, max_new_tokens=m, identical=same,
+                       first_diff=first_difference(res["off"].tokens[0], res["on"].tokens[0]),
+                       **request_metrics(r.stats, r.stats.tree_size))
+            if cfg.temperature > 0:
+                out = r.tokens[0]
+                row.update(mean_logprob=mean_logprob(self.model, ids, out), distinct_ratio=len(set(out)) / len(out))
+            rows.append(row)
+        if cfg.temperature == 0 and not same:
+            self.fail("quality", describe_mismatch(self.tok, f"{name}/{item['id']}", res["off"].tokens[0],
+                                                   res["on"].tokens[0], ids))
+        return rows
+
+    # ---- parameter sensitivity ----
+    def sweep(self, scenarios):
+        cfg = self.cfg
+        names = list(cfg.sweep_trees or sweep_tree_names(self.heads.num_heads))
+        trees = [("serial", Tree.root_only())] + [(n, tree_by_name(n, self.heads.num_heads, self.heads_dir))
+                                                  for n in names]
+        items = [(f"{name}/{its[0]['id']}", its[0]) for name, its in scenarios.items()][:cfg.sweep_prompts]
+        reqs = [(label, *encode(self.tok, it["text"], cfg.sweep_tokens, self.ctx, cfg.prompt_cap)[:2])
+                for label, it in items]
+        bar = _bar(len(reqs) * len(trees), "sweep", cfg)
+        serial = {}                                                   # label -> serial tokens, the T = 0 reference
+        for name, tree in trees:
+            for label, ids, m in reqs:
+                if not self.reuse("sweep", dict(sweep_tree=name, item=label)):
+                    self.warm_up(scenarios)
+                    r = self.run(ids, m, False) if tree.size == 1 else self.run(ids, m, True, tree=tree)
+                    same = None
+                    if tree.size == 1:
+                        serial[label] = r.tokens
+                    elif cfg.temperature == 0:
+                        if label not in serial:                       # its serial row was kept (--resume): rerun
+                            serial[label] = self.run(ids, m, False).tokens
+                        same = r.tokens == serial[label]
+                        if not same:
+                            self.fail("quality", describe_mismatch(self.tok, f"sweep {name}", serial[label][0],
+                                                                   r.tokens[0], ids))
+                    self.record([dict(self.base, section="sweep", sweep_tree=name, item=label, sweep_size=tree.size,
+                                      sweep_depth=tree.max_depth, sweep_top_k=tree.top_k,
+                                      mode="off" if tree.size == 1 else "on", identical=same,
+                                      **request_metrics(r.stats, tree.size))])
+                bar.update(1)
+        bar.close()
+
+    # ---- long-run stability ----
+    def long_run(self, scenarios, total_tokens):
+        cfg = self.cfg
+        items = [(f"{name}/{it['id']}", it) for name, its in scenarios.items() for it in its]
+        reqs = [(label, *encode(self.tok, it["text"], min(it["max_new_tokens"], cfg.long_request_tokens), self.ctx,
+                                cfg.prompt_cap)[:2]) for label, it in items]
+        bar = _bar(total_tokens, "long run", cfg, unit="tok")
+        done, i, mine = 0, 0, []
+        while done < total_tokens:
+            label, ids, m = reqs[i % len(reqs)]
+            kept = self.reuse("long_run", dict(request=i, item=label))
+            if kept:
+                n = int(num(kept[0].get("new_tokens")) or 0) if not kept[0]["error"] else 0
+            else:
+                self.warm_up(scenarios)
+                row, n = self._long_request(i, label, ids, m)
+                self.record([row])
+                mine.append(row)
+            done, i = done + max(n, 1), i + 1
+            bar.update(max(n, 1))
+        bar.close()
+        if self.reuse("long_summary", dict(long_run_tokens=total_tokens)):
+            return
+        summary = long_run_summary(section_rows(self.rows, "long_run"), self.model.device, memory_rows=mine)
+        self.record([dict(self.base, section="long_summary", long_run_tokens=total_tokens, **summary)])
+        if summary["memory_growth_flag"]:
+            self.fail("long-run", f"memory grew by {summary['memory_growth_bytes'] / 2**20:.1f} MiB after warm-up")
+
+    def _long_request(self, i, label, ids, m, check_every=10):
+        """One long-run request: (row, new tokens). Errors and timeouts are counted and reported; the run goes on."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        row = dict(self.base, section="long_run", request=i, item=label, error="", timeout=False, spot_check="")
+        try:
+            r = self.run(ids, m, True, seed=cfg.seed + i)
+            row.update(request_metrics(r.stats, r.stats.tree_size))
+            n = r.stats.new_tokens
+            if cfg.temperature == 0 and i % check_every == 0:
+                ser = self.run(ids, m, False).tokens
+                row["spot_check"] = "match" if ser == r.tokens else "MISMATCH"
+                if ser != r.tokens:
+                    self.fail("long-run", describe_mismatch(self.tok, f"request {i}", ser[0], r.tokens[0], ids))
+        except Exception as e:
+            row["error"], n = f"{type(e).__name__}: {e}", 0
+            self.fail("long-run", f"request {i}: {row['error']}")
+        row.update(request_s=time.perf_counter() - t0 if not row.get("e2e_s") else row["e2e_s"],
+                   memory_bytes=current_memory(self.model.device))
+        row["timeout"] = row["request_s"] > cfg.timeout_s
+        if row["timeout"]:
+            self.fail("long-run", f"request {i} took {row['request_s']:.1f}s > timeout {cfg.timeout_s}s")
+        return row, n
+
+    # ---- bad and edge inputs (always at temperature 0, so outputs can be checked exactly) ----
+    def edge(self, scenarios):
+        if self.reuse_section("edge"):
+            return
+        self.warm_up(scenarios)
+        tok, ctx, V = self.tok, self.ctx, self.model.config.vocab_size
+        m = 8
+        first = next(iter(scenarios.values()))[0]
+        normal, _, _ = encode(tok, first["text"], m, ctx, self.cfg.prompt_cap or 256)
+        before = self.run(normal, m, True, temperature=0.0).tokens
+        text_ids = tok(first["text"])["input_ids"] or [1]
+        odd = "# 🐍 naïve café — ∑ λ 中文 \x00 NUL, RTL: مرحبا بالعالم שלום, e\u0301, tab\t, CRLF\r\n"
+        first_tok = self.run(normal, 1, False, temperature=0.0).tokens[0][0]
+        limit_new = self.cfg.edge_limit_tokens
+        cases = [  # (case, prompt ids or text, max_new, expect 'error' or 'output', extra kwargs)
+            ("empty input", "", m, "error", {}),
+            ("over-long context (context + 10 tokens)", (text_ids * (ctx // len(text_ids) + 2))[:ctx + 10], m, "error", {}),
+            (f"context at the limit (context - {limit_new} tokens)", (text_ids * (ctx // len(text_ids) + 2))[:ctx - limit_new],
+             limit_new, "output", {}),
+            (f"repeated input (one token x {min(200, ctx - 2 * m)})", [text_ids[0]] * min(200, ctx - 2 * m), m,
+             "output", {}),
+            ("unusual characters (emoji, NUL, RTL, combining)", odd, m, "output", {}),
+            ("max_new_tokens = 1", normal, 1, "output", {}),
+            ("max_new_tokens = 0", normal, 0, "error", {}),
+            ("EOS as the first token (stop id = the model's first choice)", normal, m, "output", {"eos": first_tok}),
+            ("EOS token as the whole input", [self.eos if self.eos is not None else 0], m, "output", {}),
+            ("token id out of range (= vocab size)", [1, 2, V], m, "error", {}),
+        ]
+        rows = []
+        for case, prompt, mx, expect, kw in cases:
+            row = dict(self.base, section="edge", case=case, expect=expect, outcome="", detail="", ok=False)
+            ids = tok(prompt)["input_ids"] if isinstance(prompt, str) else prompt
+            if isinstance(prompt, str) and prompt:
+                back = tok.decode(ids)
+                if back != prompt:
+                    row["detail"] = f"tokenizer round trip changed the text: {back!r}"
+            try:
+                ser = self.run(ids, mx, False, temperature=0.0, **kw).tokens[0]
+                mtp = self.run(ids, mx, True, temperature=0.0, **kw).tokens[0]
+                row["outcome"] = f"{len(mtp)} tokens, MTP {'==' if ser == mtp else '!='} serial"
+                ok = ser == mtp and 1 <= len(mtp) <= mx
+                if "eos" in kw:
+                    ok = ok and mtp == [kw["eos"]]
+                if ser != mtp:
+                    row["detail"] += describe_mismatch(tok, case, ser, mtp, ids)
+                tok.decode(mtp)                                              # decoding the output must not fail
+                row["ok"] = expect == "output" and ok and not row["detail"]
+            except ValueError as e:
+                row["outcome"], row["detail"] = "ValueError", str(e)[:200]
+                row["ok"] = expect == "error"
+            except Exception as e:                                           # anything else is a failure
+                row["outcome"], row["detail"] = type(e).__name__, str(e)[:200]
+            if not row["ok"]:
+                self.fail("edge", f"{case}: expected {expect}, got {row['outcome']} {row['detail']}")
+            rows.append(row)
+        after = self.run(normal, m, True, temperature=0.0).tokens
+        ser = self.run(normal, m, False, temperature=0.0).tokens
+        ok = after == before == ser
+        rows.append(dict(self.base, section="edge", case="normal request after the bad inputs", expect="output",
+                         outcome=f"{len(after[0])} tokens, {'same as before and as serial' if ok else 'CHANGED'}",
+                         detail="", ok=ok))
+        if not ok:
+            self.fail("edge", "a normal request after the edge cases no longer matches its earlier output / serial")
+        self.record(rows)
+
+    # ---- compatibility: batch vs single requests ----
+    def compat(self, scenarios):
+        if self.reuse_section("compat"):
+            return
+        self.warm_up(scenarios)
+        items = [it for its in scenarios.values() for it in its][:4]
+        m = min(16, self.cfg.max_new_cap or 16)
+        reqs = [encode(self.tok, it["text"], m, self.ctx, self.cfg.prompt_cap or 256)[0] for it in items]
+        reqs = [r[: max(8, len(r) - 7 * k)] for k, r in enumerate(reqs)]           # different lengths on purpose
+        single = [self.run(r, m, False, temperature=0.0).tokens[0] for r in reqs]
+        batch = self.run(reqs, m, True, temperature=0.0, batch=True).tokens
+        ok = batch == single
+        self.record([dict(self.base, section="compat", case=f"batch of {len(reqs)} (MTP) vs single requests (serial)",
+                          batch=len(reqs), ok=ok, detail="" if ok else "outputs differ")])
+        if not ok:
+            b = next(i for i in range(len(reqs)) if batch[i] != single[i])
+            self.fail("compat", describe_mismatch(self.tok, f"batch row {b}", single[b], batch[b], reqs[b]))

@@ -1,0 +1,100 @@
+"""Hugging Face `generate()` on the same weights as our engine: the outside serial baseline of e2e and tables.
+
+`hf_twin` builds a `transformers.LlamaForCausalLM` holding exactly our engine's weights; `time_hf` times its greedy
+generate the way ours is timed (decode tokens/s excludes prefill: generate(N) minus generate(1) on the same prompt);
+`hf_row` is the CSV row that compares it with our serial engine.
+"""
+import time
+
+import torch
+
+from ..stats import gpu_energy_j
+
+
+def _sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def hf_twin(model):
+    """A `transformers.LlamaForCausalLM` holding exactly `model`'s weights (same device and dtype)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    c = model.config
+    kw = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+              num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+              num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
+              rope_theta=c.rope_theta, max_position_embeddings=c.max_position_embeddings,
+              tie_word_embeddings=c.tie_word_embeddings, attention_bias=c.attention_bias, mlp_bias=c.mlp_bias,
+              bos_token_id=None, eos_token_id=c.eos_token_id, pad_token_id=None, attn_implementation="sdpa")
+    if c.rope_scaling:
+        kw["rope_scaling"] = dict(c.rope_scaling)
+    with torch.device(model.device):
+        hf = LlamaForCausalLM(LlamaConfig(**kw))
+    hf = hf.to(model.dtype).eval()
+    sd = {}
+    for k, v in model.state_dict().items():
+        if k == "inv_freq":
+            continue
+        if k.startswith("layers."):
+            i, rest = k[len("layers."):].split(".", 1)
+            sub = "self_attn." if rest.split(".")[0] in ("q_proj", "k_proj", "v_proj", "o_proj") else (
+                "mlp." if rest.split(".")[0] in ("gate_proj", "up_proj", "down_proj") else "")
+            k = f"model.layers.{i}.{sub}{rest}"
+        elif k != "lm_head.weight":
+            k = "model." + k
+        sd[k] = v
+    missing, unexpected = hf.load_state_dict(sd, strict=False)
+    missing = [m for m in missing if "rotary_emb" not in m and not (c.tie_word_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise RuntimeError(f"hf_twin: weights do not map: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    return hf
+
+
+def time_hf(hf, prompts, max_new_tokens, eos_token_id=None):
+    """HF greedy `generate` one prompt at a time: decode tokens/s (prefill excluded as for ours), tokens/J, tokens."""
+    dev = hf.device
+    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=eos_token_id)
+    decode_s, decode_tokens, new, energy, tokens = 0.0, 0, 0, 0.0, []
+    for p in prompts:
+        ids = torch.tensor([p], device=dev)
+        with torch.no_grad():
+            hf.generate(ids, max_new_tokens=min(8, max_new_tokens), **kw)           # warm-up
+            _sync(dev)
+            t0 = time.perf_counter()
+            hf.generate(ids, max_new_tokens=1, **kw)
+            _sync(dev)
+            t_first = time.perf_counter() - t0
+            e0 = gpu_energy_j(dev) if dev.type == "cuda" else None
+            t0 = time.perf_counter()
+            out = hf.generate(ids, max_new_tokens=max_new_tokens, **kw)
+            _sync(dev)
+            t_all = time.perf_counter() - t0
+            e1 = gpu_energy_j(dev) if dev.type == "cuda" else None
+        gen = out[0, len(p):].tolist()
+        tokens.append(gen)
+        new += len(gen)
+        decode_tokens += len(gen) - 1
+        decode_s += max(t_all - t_first, 1e-9)
+        energy = None if energy is None or e0 is None or e1 is None else energy + (e1 - e0)
+    return dict(tokens=tokens, new_tokens=new, decode_tokens=decode_tokens, decode_s=decode_s,
+                decode_tokens_per_s=decode_tokens / decode_s, energy_j=energy,
+                tokens_per_j=(new / energy) if energy else None, tokens_per_step=1.0)
+
+
+def hf_row(target, max_new_tokens, ours_serial, base):
+    """HF generate(do_sample=False) on a twin holding the same weights, batch 1, vs our serial engine."""
+    twin = hf_twin(target.model)
+    try:
+        r = time_hf(twin, target.prompts, max_new_tokens, target.eos_token_id)
+    finally:
+        del twin
+        if target.model.device.type == "cuda":
+            torch.cuda.empty_cache()
+    same = sum(a == b for a, b in zip(r["tokens"], ours_serial["tokens"]))
+    return dict(base, provider="hf-generate", batch=1, config="serial", tree_size=1, kernels="transformers (sdpa)",
+                tokens_per_s=r["decode_tokens_per_s"], ms_per_token=1e3 / r["decode_tokens_per_s"],
+                speedup_vs_serial=r["decode_tokens_per_s"] / ours_serial["decode_tokens_per_s"], tau=1.0,
+                energy_j=r["energy_j"], tokens_per_j=r["tokens_per_j"],
+                identical_to_serial=same == len(r["tokens"]),
+                note=f"HF vs our serial engine (batch 1): {same}/{len(r['tokens'])} sequences token-identical; "
+                     "speedup_vs_serial = HF tok/s / ours")

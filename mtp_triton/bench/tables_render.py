@@ -1,0 +1,235 @@
+"""The speedup tables rendered: published numbers (data/published/*.csv) beside one run's measured rows, as
+markdown and as one 2 x 2 figure. Everything here reads CSV rows (every value may be a string)."""
+import csv
+import glob
+import os
+
+from .common import ROOT
+from .profile_step import PHASES, plot_phases
+
+PUBLISHED = os.path.join(ROOT, "data", "published")
+SEED_CONFIGS = ("serial", "MTP-2", "MTP-4", "MTP-8")
+
+
+# ---- published numbers ------------------------------------------------------------------------------------
+def load_published(folder=PUBLISHED):
+    """All rows of data/published/*.csv, `value` / `value_high` as floats (None when blank), plus `file`."""
+    rows = []
+    for path in sorted(glob.glob(os.path.join(folder, "*.csv"))):
+        with open(path, newline="") as f:
+            for r in csv.DictReader(f):
+                r["value"] = float(r["value"])
+                r["value_high"] = float(r["value_high"]) if r.get("value_high") else None
+                r["file"] = os.path.basename(path)
+                rows.append(r)
+    return rows
+
+
+def seed_sweep(published):
+    """{config: {metric: value}} of the seed's BM1684 table."""
+    out = {}
+    for r in published:
+        if r["file"] == "seed_depth_sweep.csv":
+            out.setdefault(r["config"], {})[r["metric"]] = r["value"]
+    return out
+
+
+# ---- rendering (from CSV rows: every value may be a string) -----------------------------------------------
+def _f(x):
+    try:
+        v = float(x)
+        return None if v != v else v
+    except (TypeError, ValueError):
+        return None
+
+
+def _n(x, fmt="{:.1f}"):
+    v = _f(x)
+    return "—" if v is None else fmt.format(v)
+
+
+def _table(headers, body):
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in body]
+    return "\n".join(lines) + "\n"
+
+
+def _where(r):
+    cpu = " — **CPU numbers**" if str(r.get("device", "")).startswith("CPU") else ""
+    return (f"{r.get('model')} ({r.get('dtype')}, {r.get('layers')} layers, {r.get('model_params_M')} M params) on "
+            f"{r.get('device')}{cpu}; batch {r.get('batch', 1)}, prompt length {r.get('prompt_len')} tokens, "
+            f"{r.get('max_new_tokens')} new tokens, {r.get('num_prompts')} prompt(s); kernels {r.get('kernels', '?')}")
+
+
+def markdown(rows, published):
+    """The side-by-side tables (markdown) of one run's rows."""
+    seed = seed_sweep(published)
+    src = next(r["source"] for r in published if r["file"] == "seed_depth_sweep.csv")
+    e0 = rows[0] if rows else {}
+    out = [f"# Speedup tables: published vs measured\n\nMeasured on {e0.get('device')} (torch {e0.get('torch')}, "
+           f"triton {e0.get('triton')}, interpreter {e0.get('interpreter')}), commit {e0.get('commit')}, "
+           f"{e0.get('timestamp')}. Decode tok/s excludes the time to first token; speedup is over serial decoding "
+           "on the same engine, weights and prompts.\n"]
+    for r in rows:
+        if r.get("table") == "skipped":
+            out.append(f"\n*{r['suite']}: {r['note']}*\n")
+    out.append("\n## 1. The seed's depth sweep\n\nPublished: Llama-7B on a BM1684, batch and prompt length not "
+               f"stated ({src}).\n")
+    sweep = [r for r in rows if r.get("table") == "sweep"]
+    for key in dict.fromkeys((r["suite"], r["drafter"]) for r in sweep):
+        grp = [r for r in sweep if (r["suite"], r["drafter"]) == key]
+        out.append(f"\n**Ours — {key[0]}, drafts: {key[1]}.** {_where(grp[0])}.\n\n")
+        body = []
+        for r in grp:
+            p = seed.get(r["config"], {})
+            pub_speed = p.get("speedup_pct", 0.0 if r["config"] == "serial" else None)
+            body.append([r["config"] + (f" (T={r['tree_size']})" if r.get("tree_size") else ""),
+                         _n(p.get("throughput")), _n(p.get("latency")), _n(pub_speed, "{:+.1f} %"),
+                         _n(p.get("energy_efficiency")), _n(r.get("tokens_per_s")), _n(r.get("ms_per_token"), "{:.2f}"),
+                         _n(r.get("speedup_pct"), "{:+.1f} %"), _n(r.get("tokens_per_j")), _n(r.get("tau"), "{:.2f}"),
+                         {"True": "yes", "False": "**no**"}.get(str(r.get("identical_to_serial")), "—"),
+                         r.get("accept_rate_per_depth") or r.get("note", "")])
+        out.append(_table(["config", "pub. tok/s", "pub. ms/tok", "pub. speedup", "pub. tok/J", "ours tok/s",
+                           "ours ms/tok", "ours speedup", "ours tok/J", "τ", "same tokens as serial",
+                           "acceptance per depth / note"], body))
+    out.append("\n## 2. Other systems (published) and our best configuration\n\n")
+    body = []
+    for r in published:
+        if r["metric"] in ("speedup", "mean_accepted_tokens", "second_token_acceptance_pct", "draft_acceptance_pct"):
+            v = f"{r['value']:g}" + (f"–{r['value_high']:g}" if r["value_high"] else "") + f" {r['unit']}"
+            body.append([r["system"], r["config"], r["model"], r["hardware"], r["batch"], r["metric"], v, r["source"]])
+    for (sysname, cfg, model, hw, batch, src2), (a, b) in _pairs(published).items():
+        body.append([sysname, cfg, model, hw, batch, "speedup (computed from the tok/s pair)",
+                     f"{b / a:.2f} x ({a:g} → {b:g} tok/s)", src2])
+    for key in dict.fromkeys((r["suite"], r["drafter"]) for r in sweep):
+        grp = [r for r in sweep if (r["suite"], r["drafter"]) == key and _f(r.get("speedup"))
+               and r["config"] != "serial"]
+        if grp:
+            b = max(grp, key=lambda r: _f(r["speedup"]))
+            body.append([f"ours ({key[0]}, {key[1]})", b["config"], b["model"], b["device"], b.get("batch", 1),
+                         "speedup / τ", f"{_f(b['speedup']):.2f} x / {_n(b['tau'], '{:.2f}')}", "measured here"])
+    out.append(_table(["system", "config", "model", "hardware", "batch", "metric", "value", "source"], body))
+    ana = [r for r in rows if r.get("table") == "analytic"]
+    if ana:
+        out.append("\n## 3. Analytic model vs measured\n\npredicted = (E[accepted drafts] + 1) / c(T), with c(T) = "
+                   "measured verify time of a T-node step / a 1-node step. `from τ` uses the measured tokens per "
+                   "step instead of the expected ones: what separates it from the measured speedup is drafting, "
+                   "accept, append and Python overhead.\n\n")
+        out.append(_table(["suite", "drafts", "config", "T", "E[tokens/step]", "c(T)", "predicted", "from τ",
+                           "measured", "accuracies from"],
+                          [[r["suite"], r["drafter"], r["config"], r["tree_size"],
+                            _n(r["expected_tokens_per_step"], "{:.2f}"), _n(r["verify_cost_ratio"], "{:.2f}"),
+                            _n(r["predicted_speedup"], "{:.2f}"), _n(r["predicted_from_tau"], "{:.2f}"), _n(r["measured_speedup"], "{:.2f}"), r["acc_source"]]
+                           for r in ana]))
+    ph = [r for r in rows if r.get("table") == "phases"]
+    if ph:
+        out.append("\n## 4. Where a step's time goes (ms per step)\n\n")
+        body = []
+        for key in dict.fromkeys((r["suite"], r["config"]) for r in ph):
+            g = {r["phase"]: r for r in ph if (r["suite"], r["config"]) == key}
+            any_r = next(iter(g.values()))
+            body.append([key[0], key[1]] + [_n(g[p]["ms_per_step"], "{:.3f}") if p in g else "—" for p in PHASES]
+                        + [_n(any_r["step_ms"], "{:.3f}"), _n(any_r["tau"], "{:.2f}"), any_r["device"]])
+        out.append(_table(["suite", "config", *PHASES, "step ms", "τ", "hardware"], body))
+    cat = [r for r in rows if r.get("table") == "kernel_categories"]
+    if cat:
+        out.append("\n### GPU time by kernel category (torch.profiler, decode steps only)\n\n")
+        out.append(_table(["suite", "config", "category", "GPU ms/step", "share"],
+                          [[r["suite"], r["config"], r["category"], _n(r.get("gpu_ms_per_step"), "{:.3f}"),
+                            _n((_f(r.get("fraction")) or 0) * 100, "{:.1f} %")] for r in cat]))
+    ker = [r for r in rows if r.get("table") == "kernels"]
+    if ker:
+        out.append("\n### GPU kernels (torch.profiler, decode steps only)\n\n")
+        out.append(_table(["suite", "config", "kernel", "category", "calls/step", "GPU ms/step", "share"],
+                          [[r["suite"], r["config"], f"`{r['kernel'][:60]}`", r.get("category") or r.get("note", ""),
+                            _n(r.get("calls_per_step")), _n(r.get("gpu_ms_per_step"), "{:.3f}"),
+                            _n((_f(r.get("fraction")) or 0) * 100, "{:.1f} %")] for r in ker]))
+    hf = [r for r in rows if r.get("table") == "hf"]
+    if hf:
+        out.append("\n## 5. Hugging Face generate() on the same weights (serial, batch 1)\n\n")
+        out.append(_table(["suite", "model", "hardware", "HF tok/s", "HF / our serial", "HF tok/J", "note"],
+                          [[r["suite"], r.get("model"), r.get("device"), _n(r.get("tokens_per_s")),
+                            _n(r.get("speedup_vs_serial"), "{:.2f}"), _n(r.get("tokens_per_j")), r.get("note", "")]
+                           for r in hf]))
+    return "".join(out)
+
+
+def _pairs(published):
+    """(system, config, ...) -> (serial tok/s, method tok/s) for sources that give both throughputs."""
+    tp = [r for r in published if r["metric"] == "throughput"]
+    out = {}
+    for r in tp:
+        if r["config"] == "serial":
+            continue
+        base = [s for s in tp if s["system"] == r["system"] and s["config"] == "serial" and s["model"] == r["model"]
+                and s["batch"] == r["batch"] and s["file"] == r["file"]]
+        if base:
+            out[(r["system"], r["config"], r["model"], r["hardware"], r["batch"], r["source"])] = (base[0]["value"],
+                                                                                                   r["value"])
+    return out
+
+
+def plot(rows, published, path=None):
+    """2 x 2 figure from one run's rows: the depth sweep, predicted vs measured, verify cost c(T), phases.
+
+    Built without pyplot (no global backend switch), so a notebook can display the returned Figure."""
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(11, 7.5), dpi=80)
+    ax = fig.subplots(2, 2)
+    seed = seed_sweep(published)
+    sweep = [r for r in rows if r.get("table") == "sweep" and _f(r.get("speedup"))]
+    configs = list(SEED_CONFIGS) + ["tree"]
+    groups = [("published BM1684 Llama-7B", {c: 1 + seed[c]["speedup_pct"] / 100 if c != "serial" else 1.0
+                                            for c in SEED_CONFIGS})]
+    for key in dict.fromkeys((r["suite"], r["drafter"]) for r in sweep):
+        groups.append((f"{key[0]}: {key[1]}"[:40], {r["config"]: _f(r["speedup"]) for r in sweep
+                                                    if (r["suite"], r["drafter"]) == key}))
+    w = 0.8 / len(groups)
+    for i, (label, vals) in enumerate(groups):
+        ax[0, 0].bar([j + i * w for j in range(len(configs))], [vals.get(c, 0) or 0 for c in configs], width=w,
+                     label=label)
+    ax[0, 0].axhline(1, color="k", lw=0.8)
+    ax[0, 0].set_xticks([j + 0.4 - w / 2 for j in range(len(configs))], configs)
+    ax[0, 0].set_ylabel("speedup over serial (x)")
+    ax[0, 0].set_title("the seed's depth sweep (missing bar = not run)", fontsize=9)
+    ax[0, 0].legend(fontsize=6)
+    ana = [r for r in rows if r.get("table") == "analytic"]
+    lim = 1.0
+    for key in dict.fromkeys((r["suite"], r["drafter"]) for r in ana):
+        g = [r for r in ana if (r["suite"], r["drafter"]) == key]
+        xs = [_f(r["predicted_speedup"]) for r in g]
+        ys = [_f(r["measured_speedup"]) for r in g]
+        pts = [(x, y, r["config"]) for x, y, r in zip(xs, ys, g) if x is not None and y is not None]
+        if pts:
+            ax[0, 1].scatter([p[0] for p in pts], [p[1] for p in pts], label=f"{key[0]}: {key[1]}"[:40])
+            for x, y, c in pts:
+                ax[0, 1].annotate(c, (x, y), fontsize=6)
+            lim = max(lim, *[p[0] for p in pts], *[p[1] for p in pts])
+    ax[0, 1].plot([0, lim * 1.1], [0, lim * 1.1], "k--", lw=0.8, label="measured = predicted")
+    ax[0, 1].set_xlabel("predicted speedup (E[tokens/step] / c(T))")
+    ax[0, 1].set_ylabel("measured speedup")
+    ax[0, 1].set_title("analytic model vs measured", fontsize=9)
+    ax[0, 1].legend(fontsize=6)
+    for key in dict.fromkeys((r["suite"], r["device"]) for r in ana):
+        pts = sorted({(int(r["tree_size"]), _f(r["verify_cost_ratio"])) for r in ana
+                      if (r["suite"], r["device"]) == key})
+        ax[1, 0].plot([1] + [p[0] for p in pts], [1.0] + [p[1] for p in pts], "o-", label=f"{key[0]} on {key[1][:24]}")
+    if ana:
+        tmax = max(int(r["tree_size"]) for r in ana)
+        ax[1, 0].plot([1, tmax], [1, tmax], ":", color="grey", label="c(T) = T (compute-bound)")
+    ax[1, 0].set_xlabel("tree nodes T")
+    ax[1, 0].set_ylabel("verify cost c(T) = time(T) / time(1)")
+    ax[1, 0].set_title("what a verify step of T nodes costs", fontsize=9)
+    ax[1, 0].legend(fontsize=6)
+    ph = [dict(r, config=f"{r['suite']}: {r['config']}") for r in rows if r.get("table") == "phases"]
+    plot_phases(ph, ax=ax[1, 1])
+    ax[1, 1].set_title("per-phase profile", fontsize=9)
+    dev = rows[0].get("device", "?") if rows else "?"
+    fig.suptitle(f"published vs measured — {dev}" + (" (CPU numbers)" if str(dev).startswith("CPU") else ""),
+                 fontsize=10)
+    fig.tight_layout()
+    if path:
+        fig.savefig(path, dpi=80)
+    return fig
+
+
