@@ -116,6 +116,7 @@ def make_fake_driver(target, device_id):
         def set_current_device(self, device):
             pass
 
+    FakeDriver.__abstractmethods__ = frozenset()   # other Triton versions may declare more abstract methods
     return FakeDriver()
 
 
