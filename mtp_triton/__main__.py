@@ -8,6 +8,7 @@ COMMANDS = {
     "eval": ("mtp_triton.bench.evaluate", "main", "the A/B evaluation harness (MTP on vs off)"),
     "tables": ("mtp_triton.bench.tables", "main", "reproduce the published speedup tables"),
     "train_heads": ("mtp_triton.train_heads", "main", "train MTP heads (frozen base or joint)"),
+    "aot": ("mtp_triton.aot", "main", "compile every kernel for sm_80/sm_90/... without a GPU: resources, roofline"),
 }
 
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# One command for a lent GPU machine: GPU tests, kernel benchmarks, end-to-end A/B, speedup tables.
+# One command for a lent GPU machine: compile audit, GPU tests, kernel benchmarks, end-to-end A/B, speedup tables.
 #
 #   OUT=/path/to/out bash scripts/gpu_check.sh             # on the GPU: finishes in <= ~8 minutes
-#   OUT=/tmp/x       bash scripts/gpu_check.sh --dry-run   # CPU, tiny sizes: the CPU-checkable parts (< 60 s)
+#   OUT=/tmp/x       bash scripts/gpu_check.sh --dry-run   # CPU, tiny sizes: the CPU-checkable parts (~60 s, plus
+#                                                          # the compile audit: ~30 s warm, ~80 s cold Triton cache)
 #
 # Needs only what the GPU image has (python, torch, triton, transformers, matplotlib, pytest): no installs, no
 # network. Every stage has its own timeout and the whole run a budget (GPU_CHECK_BUDGET_S, default 460 s); a
@@ -10,7 +11,8 @@
 #   gpu_check.log            everything every stage printed, with a status line per stage and a summary
 #   tables/tables.{csv,md,png}   python -m mtp_triton tables (published vs measured, analytic model, phases, HF)
 #   e2e.csv                  python -m mtp_triton.bench.e2e (serial vs MTP at batch 1 and 4, HF generate)
-#   kernel_bench.tar.gz      the kernel benchmarks' CSV + PNG and the pytest junit XML files
+#   kernel_bench.tar.gz      the kernel benchmarks' CSV + PNG, the pytest junit XML files and the compile audit's
+#                            aot/aot.{csv,md} (python -m mtp_triton aot --quick, run first, with this machine's Triton)
 # Environment: PYTHON (default python, else python3), OUT (default out/gpu_check), GPU_CHECK_BUDGET_S.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -56,6 +58,8 @@ stage() {
 }
 
 log "mode: $([[ $DRY == 1 ]] && echo 'DRY RUN (CPU, tiny sizes)' || echo GPU); OUT=$OUT; budget ${BUDGET}s"
+# ---- first: compile every kernel ahead of time, as its launcher launches it (needs no GPU; sm_80/90/100/120) ----
+stage aot 100 "$PY" -m mtp_triton aot --quick --jobs "$([[ $DRY == 1 ]] && echo 1 || echo 4)" --out "$WORK/kernels/aot"
 stage env 60 "$PY" -c "
 import platform, torch, triton, transformers
 print('python', platform.python_version(), '| torch', torch.__version__, '| triton', triton.__version__,

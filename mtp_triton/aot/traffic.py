@@ -1,0 +1,95 @@
+"""Bytes each kernel launch must move through HBM, and the bandwidth floor that follows.
+
+One formula per @triton.jit kernel, written from what the kernel reads and writes. Each counts *compulsory*
+traffic: every byte the launch must read or write, counted once (re-reads that a perfect L2 would serve are not
+counted; where the amount depends on runtime values — accepted tokens, the walk down the tree — the least any
+launch moves is counted). So `min_bytes / HBM bandwidth` is a floor: no launch of that shape can finish sooner.
+
+`a` maps the kernel's parameter names to what the launcher passed (`driver.TensorInfo` for tensors: shape,
+itemsize, nbytes; plain values for ints and constexprs); `case` is the launch-matrix entry (`launches.Case`), for
+the quantities that live in tensor *values* (cache_lens) and so are not visible in the arguments.
+"""
+
+
+def _resblock(a, case):
+    # reads x [B, D], res_weight [H, D, D], res_bias [H, D]; writes z [B, H, D] fp32
+    return a["x_ptr"].nbytes + a["w_ptr"].nbytes + a["b_ptr"].nbytes + a["z_ptr"].nbytes
+
+
+def _vocab_tile(a, case):
+    # reads z [R, D] fp32 and the LM head [V, D] once; writes per (row, vocab tile) TOP_K int64 keys, m and s fp32
+    return a["z_ptr"].nbytes + a["lm_ptr"].nbytes + a["key_ptr"].nbytes + a["m_ptr"].nbytes + a["s_ptr"].nbytes
+
+
+def _merge(a, case):
+    # reads the partials (keys [R, NT, TOP_K] int64, m, s [R, NT] fp32); writes ids int64 + logprobs fp32 [R, TOP_K]
+    return sum(a[k].nbytes for k in ("key_ptr", "m_ptr", "s_ptr", "ids_ptr", "logp_ptr"))
+
+
+def _tree_attention(a, case):
+    # q [B, T, Hq, Dh] read; the cached K and V of every sequence: 2 * B * ctx * Hkv * Dh * elt (only the ctx tokens
+    # in use, not the whole block pool); the tree K/V [B, T, Hkv, Dh] x 2; the mask [T, T] (or [B, T, T]) as bytes;
+    # the block-table entries in use (ceil(ctx / BS) int32 per sequence) and cache_lens [B] int32.
+    # Output: out [B, T, Hq, Dh] when NUM_SPLITS == 1, else fp32 partials [S, B, T, Hq, Dh] and lse [S, B, T, Hq].
+    q, k_tree, mask = a["q_ptr"], a["k_tree_ptr"], a["mask_ptr"]
+    B, T, Hq, Dh = q.shape
+    Hkv, BS, S = a["Hkv"], a["BS"], a["NUM_SPLITS"]
+    elt = q.itemsize
+    cache = 2 * B * case.ctx * Hkv * Dh * elt
+    tables = B * -(-case.ctx // BS) * 4 + B * 4
+    out = q.nbytes if S == 1 else S * B * T * Hq * (Dh + 1) * 4
+    return q.nbytes + cache + 2 * k_tree.nbytes + mask.nbytes + tables + out
+
+
+def _combine_splits(a, case):
+    # reads the partials [S, R, Dh] and lse [S, R] fp32; writes out [R, Dh] in q's dtype
+    R, Dh, S = a["R"], a["Dh"], a["NUM_SPLITS"]
+    out_elt = a["out_ptr"].itemsize
+    return S * R * (Dh + 1) * 4 + R * Dh * out_elt
+
+
+def _tree_accept(a, case):
+    # reads draft, parents, target tokens; writes accept_len [B], accept_nodes [B, T], next_token [B] (all int64)
+    return sum(a[k].nbytes for k in ("draft_ptr", "parents_ptr", "target_ptr", "accept_len_ptr",
+                                     "accept_nodes_ptr", "next_ptr"))
+
+
+def _tree_accept_sample(a, case):
+    # at least the root's probability row per sequence (read for sum(p); each accepted depth adds a row, and the
+    # residual pass re-reads the last row, an L2 hit), plus the tokens, parents, uniforms and the outputs
+    B, T, V = a["probs_ptr"].shape
+    small = sum(a[k].nbytes for k in ("draft_ptr", "parents_ptr", "u_accept_ptr", "u_sample_ptr",
+                                      "accept_len_ptr", "accept_nodes_ptr", "next_ptr"))
+    return B * V * a["probs_ptr"].itemsize + small
+
+
+def _kv_append(a, case):
+    # per layer and sequence at least the root's K and V row [Hkv * Dh] are read from the tree buffers and written
+    # to the cache: 2 (K, V) x 2 (read, write) x L x B x ROW x elt; each accepted draft adds the same again.
+    # Index reads: accept_len, cache_lens, one block-table entry and accept_nodes[b, 0] per sequence.
+    L, B = a["k_tree_ptr"].shape[:2]
+    elt = a["k_tree_ptr"].itemsize
+    return 2 * 2 * L * B * a["ROW"] * elt + B * (8 + 4 + 4 + 8)
+
+
+MIN_BYTES = {
+    "_resblock_kernel": _resblock,
+    "_vocab_tile_kernel": _vocab_tile,
+    "_merge_kernel": _merge,
+    "_tree_attention_kernel": _tree_attention,
+    "_combine_splits_kernel": _combine_splits,
+    "_tree_accept_kernel": _tree_accept,
+    "_tree_accept_sample_kernel": _tree_accept_sample,
+    "_kv_append_kernel": _kv_append,
+}
+
+
+def min_bytes(kernel, args, case):
+    """Compulsory HBM bytes of one launch, or None for a kernel without a formula (say so in the report)."""
+    formula = MIN_BYTES.get(kernel)
+    return None if formula is None else int(formula(args, case))
+
+
+def floor_us(nbytes, bytes_per_s):
+    """The bandwidth floor in microseconds: nbytes / bandwidth."""
+    return None if nbytes is None else nbytes / bytes_per_s * 1e6
