@@ -81,8 +81,12 @@ def test_min_bytes_by_hand():
     # kv_append, L 2, B 3, row Hkv*Dh = 8, bf16: 2 (K, V) x 2 (read + write) x 2 x 3 x 8 x 2 B + 3 x 24 B of indices
     a = dict(k_tree_ptr=_t((2, 3, 5, 2, 4), 2), ROW=8)
     assert min_bytes("_kv_append_kernel", a, Case("kv_append")) == 384 + 72
-    # resblock: x [2, 4] bf16 16 B, w [3, 4, 4] 96 B, b [3, 4] 24 B, z [2, 3, 4] fp32 96 B
-    a = dict(x_ptr=_t((2, 4), 2), w_ptr=_t((3, 4, 4), 2), b_ptr=_t((3, 4), 2), z_ptr=_t((2, 3, 4), 4))
+    # resblock: x [2, 4] bf16 16 B, w [3, 4, 4] 96 B, b [3, 4] 24 B, z [2, 3, 4] fp32 96 B (z_lo unused)
+    a = dict(x_ptr=_t((2, 4), 2), w_ptr=_t((3, 4, 4), 2), b_ptr=_t((3, 4), 2), z_hi_ptr=_t((2, 3, 4), 4),
+             z_lo_ptr=_t((2, 3, 4), 4), SPLIT_OUT=False)
+    assert min_bytes("_resblock_kernel", a, Case("fused_draft")) == 232
+    # ... and as bf16 hi + lo halves: 2 x 48 B instead of 96 B fp32
+    a.update(z_hi_ptr=_t((2, 3, 4), 2), z_lo_ptr=_t((2, 3, 4), 2), SPLIT_OUT=True)
     assert min_bytes("_resblock_kernel", a, Case("fused_draft")) == 232
     # tree attention, B 1, T 2, Hq 4, Hkv 2, Dh 8, fp16, 20 cached tokens in blocks of 16:
     # q 128 + cache 2*20*2*8*2 = 1280 + tree K/V 2*64 + mask 4 + table 2*4 + lens 4 + out 128 = 1680

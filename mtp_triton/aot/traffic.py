@@ -12,18 +12,23 @@ the quantities that live in tensor *values* (cache_lens) and so are not visible 
 
 
 def _resblock(a, case):
-    # reads x [B, D], res_weight [H, D, D], res_bias [H, D]; writes z [B, H, D] fp32
-    return a["x_ptr"].nbytes + a["w_ptr"].nbytes + a["b_ptr"].nbytes + a["z_ptr"].nbytes
+    # reads x [B, D], res_weight [H, D, D], res_bias [H, D]; writes z [B, H, D]: as hi + lo halves (SPLIT_OUT) or fp32
+    z = a["z_hi_ptr"].nbytes + (a["z_lo_ptr"].nbytes if a["SPLIT_OUT"] else 0)
+    return a["x_ptr"].nbytes + a["w_ptr"].nbytes + a["b_ptr"].nbytes + z
 
 
 def _vocab_tile(a, case):
-    # reads z [R, D] fp32 and the LM head [V, D] once; writes per (row, vocab tile) TOP_K int64 keys, m and s fp32
-    return a["z_ptr"].nbytes + a["lm_ptr"].nbytes + a["key_ptr"].nbytes + a["m_ptr"].nbytes + a["s_ptr"].nbytes
+    # reads z [R, D] (hi + lo halves when SPLIT, else fp32) and the LM head rows [G, V, D] once; writes per (row,
+    # vocab tile) TOP_K int64 keys, m and s fp32
+    z = a["z_hi_ptr"].nbytes + (a["z_lo_ptr"].nbytes if a["SPLIT"] else 0)
+    return z + a["lm_ptr"].nbytes + a["key_ptr"].nbytes + a["m_ptr"].nbytes + a["s_ptr"].nbytes
 
 
 def _merge(a, case):
-    # reads the partials (keys [R, NT, TOP_K] int64, m, s [R, NT] fp32); writes ids int64 + logprobs fp32 [R, TOP_K]
-    return sum(a[k].nbytes for k in ("key_ptr", "m_ptr", "s_ptr", "ids_ptr", "logp_ptr"))
+    # reads the partials (keys [R, NT, TOP_K] int64, m, s [R, NT] fp32) and, with a draft vocabulary, the ids of the
+    # selected rows (R * TOP_K int64 at least); writes ids int64 + logprobs fp32 [R, TOP_K]
+    mapped = a["ids_ptr"].nbytes if a["HAS_MAP"] else 0
+    return sum(a[k].nbytes for k in ("key_ptr", "m_ptr", "s_ptr", "ids_ptr", "logp_ptr")) + mapped
 
 
 def _tree_attention(a, case):
@@ -54,13 +59,21 @@ def _tree_accept(a, case):
                                      "accept_nodes_ptr", "next_ptr"))
 
 
-def _tree_accept_sample(a, case):
-    # at least the root's probability row per sequence (read for sum(p); each accepted depth adds a row, and the
-    # residual pass re-reads the last row, an L2 hit), plus the tokens, parents, uniforms and the outputs
+def _tree_accept_sums(a, case):
+    # reads every node's target distribution once (probs [B, T, V]); writes the chunk and group sums and counts
+    return a["probs_ptr"].nbytes + sum(a[k].nbytes for k in ("sums_ptr", "nnz_ptr", "gsums_ptr", "gnnz_ptr"))
+
+
+def _tree_accept_walk(a, case):
+    # per sequence at least: the root's group sums and counts, one chunk's sums/counts and one CHUNK of
+    # probabilities for the residual draw, p(x) of the root's children, plus tokens, parents, uniforms, outputs
     B, T, V = a["probs_ptr"].shape
+    NC, NG, CPP, CHUNK = a["NC"], a["NG"], a["CPP"], a["CHUNK"]
+    elt, acc = a["probs_ptr"].itemsize, a["sums_ptr"].itemsize
+    per_seq = NG * (acc + 4) + CPP * (acc + 4) + CHUNK * elt + T * elt
     small = sum(a[k].nbytes for k in ("draft_ptr", "parents_ptr", "u_accept_ptr", "u_sample_ptr",
                                       "accept_len_ptr", "accept_nodes_ptr", "next_ptr"))
-    return B * V * a["probs_ptr"].itemsize + small
+    return B * per_seq + small
 
 
 def _kv_append(a, case):
@@ -79,7 +92,8 @@ MIN_BYTES = {
     "_tree_attention_kernel": _tree_attention,
     "_combine_splits_kernel": _combine_splits,
     "_tree_accept_kernel": _tree_accept,
-    "_tree_accept_sample_kernel": _tree_accept_sample,
+    "_tree_accept_sums_kernel": _tree_accept_sums,
+    "_tree_accept_walk_kernel": _tree_accept_walk,
     "_kv_append_kernel": _kv_append,
 }
 

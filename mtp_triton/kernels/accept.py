@@ -133,8 +133,8 @@ def check_tree_accept_sample_inputs(draft_tokens, parents, target_probs, u_accep
         raise ValueError(f"{who}: draft token ids must be in [0, V={V})")
     if values and (not bool(torch.isfinite(target_probs).all()) or bool((target_probs < 0).any())):
         raise ValueError(f"{who}: target_probs must be finite and >= 0 (found negative, NaN or inf values)")
-    for name, u in (("u_accept", u_accept[:, 1:]), ("u_sample", u_sample)):
-        if values and not bool(((u >= 0) & (u < 1)).all()):
+    for name, u in ((("u_accept", u_accept[:, 1:]), ("u_sample", u_sample)) if values else ()):
+        if not bool(((u >= 0) & (u < 1)).all()):
             raise ValueError(f"{who}: {name} must hold uniforms in [0, 1) (found values outside, or NaN)")
     return check_parents(parents, B, T, who, values)
 
