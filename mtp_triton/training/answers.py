@@ -1,0 +1,94 @@
+"""Self-distillation data: the target model's own answers to a prompt set (as Medusa-2 builds its training data).
+
+MTP heads should predict what *this* model will say, not what some corpus says: so the training text is the model's
+own output. Every prompt is answered greedily (what greedy MTP verifies against) and a share of them also by
+sampling (temperature, top-p), for variety. Answers are written to a JSONL file as they finish, so an interrupted
+run resumes where it stopped (rows already in the file are skipped).
+
+    rows = read_prompts("data/chat/train.jsonl")
+    write_answers(model, tok, rows, "runs/smollm2/answers.jsonl", max_new_tokens=256, sample_share=0.4)
+"""
+import json
+import os
+import random
+
+import torch
+
+from ..generate import generate
+
+
+def read_prompts(path):
+    """Rows of a prompts JSONL (id, category, text, ...)."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def chat_ids(tok, text, system=None):
+    """Token ids of one user turn in the model's chat template, ending where the assistant's answer starts."""
+    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+    out = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+
+def jobs(rows, sample_share=0.4, seed=0):
+    """(row, mode, seed) per answer to make: every row greedy, a seeded share of them also sampled."""
+    rng = random.Random(seed)
+    out = [(r, "greedy", 0) for r in rows]
+    out += [(r, "sample", rng.randrange(1 << 30)) for r in rows if rng.random() < sample_share]
+    return out
+
+
+def done_keys(path):
+    if not os.path.exists(path):
+        return set()
+    keys = set()
+    with open(path) as f:
+        for line in f:
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:          # a torn last line from an interrupted run: redo it
+                continue
+            keys.add((r["id"], r["mode"]))
+    return keys
+
+
+@torch.no_grad()
+def write_answers(model, tok, rows, path, max_new_tokens=256, sample_share=0.4, temperature=0.7, top_p=0.9,
+                  batch=32, max_prompt_tokens=512, seed=0, progress=True):
+    """Answer every row (greedy, plus sampled for a share) and append one JSON line per answer to `path`.
+
+    Greedy answers run in batches of prompts of similar length (short prompts pad less); sampled ones one batch
+    per seed group. Returns the number of answers written by this call."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    have = done_keys(path)
+    todo = [j for j in jobs(rows, sample_share, seed) if (j[0]["id"], j[1]) not in have]
+    enc = {}
+    for r, _, _ in todo:
+        if r["id"] not in enc:
+            enc[r["id"]] = chat_ids(tok, r["text"])[-max_prompt_tokens:]
+    todo.sort(key=lambda j: (j[1], len(enc[j[0]["id"]])))
+    eos = tok.eos_token_id
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(todo), desc="answers", unit="answer")
+    written = 0
+    with open(path, "a") as f:
+        for i in range(0, len(todo), batch):
+            part = todo[i:i + batch]
+            mode = part[0][1]
+            prompts = [enc[r["id"]] for r, _, _ in part]
+            kw = dict(mtp=False, eos_token_id=eos)
+            if mode == "sample":
+                kw.update(temperature=temperature, top_p=top_p, seed=part[0][2])
+            res = generate(model, prompts, max_new_tokens, **kw)
+            for (r, m, s), p, ans in zip(part, prompts, res.tokens):
+                f.write(json.dumps(dict(id=r["id"], category=r.get("category"), mode=m, seed=s,
+                                        prompt_ids=p, answer_ids=ans)) + "\n")
+            f.flush()
+            written += len(part)
+            if bar:
+                bar.update(len(part))
+    if bar:
+        bar.close()
+    return written
