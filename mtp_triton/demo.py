@@ -1,44 +1,51 @@
-"""The main job: serial vs MTP on the embedded model, same engine, same prompts — and a text interface.
+"""The main job: serial vs MTP decoding of a real model on the same engine and prompts — and a text interface.
 
-    python -m mtp_triton demo                       # CPU by default; Triton kernels on a GPU
-    python -m mtp_triton generate --prompt "def quicksort(" --max-new-tokens 64
+    python -m mtp_triton demo                                  # SmolLM2-135M-Instruct + its shipped heads, CPU
+    python -m mtp_triton demo --model data/tiny-stdlib-llama   # the tiny model trained here (code prompts)
+    python -m mtp_triton generate --prompt "What is a Python decorator?"
+
+The demo answers held-out chat prompts of six categories one at a time (batch 1), serially and with MTP, checks that
+both give the same tokens, and reports tau (tokens per verify step), acceptance per depth, decode tokens/s and the
+speedup, per category and overall, next to the speedup predicted when the heads' tree was chosen. It writes
+<out>/demo.csv (one row per prompt and mode) and <out>/demo.png.
 """
 import argparse
 import json
 import os
 import sys
+import time
 
 import torch
 
-from .bench.common import append_rows, env_info
+from .bench.common import EMBEDDED, PROMPTS, ROOT, append_rows, ensure_writable_dir, env_info
 from .generate import generate
 from .heads import load_heads
-from .model import load_model
+from .loading import load_model, load_tokenizer
 from .tree import Tree, get_tree
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EMBEDDED = os.path.join(ROOT, "data", "tiny-stdlib-llama")
-PROMPTS = os.path.join(ROOT, "data", "prompts", "thirdparty_code.jsonl")
+SMOLLM2 = "smollm2-135m-instruct"
+HEADS = {SMOLLM2: os.path.join(ROOT, "data", "smollm2-135m-instruct-heads")}
+CHAT_PROMPTS = os.path.join(ROOT, "data", "chat", "heldout_chat.jsonl")
+
+
+def heads_dir_for(model):
+    """Where a model's heads live: the registry for short names, else <model folder>/heads."""
+    return HEADS.get(model, os.path.join(model, "heads"))
+
+
+def load_bundle(model=SMOLLM2, heads=None, device=None, dtype=None):
+    """(model, heads, tokenizer). dtype None: bf16 on CPU for the GGUF model (the engine's exact mode keeps MTP
+    identical to serial there), the checkpoint's dtype otherwise."""
+    if dtype is None and model == SMOLLM2 and (device or "cpu") == "cpu" and not torch.cuda.is_available():
+        dtype = torch.bfloat16
+    m = load_model(model, device=device, dtype=dtype)
+    h = load_heads(heads or heads_dir_for(model), device=m.device, dtype=torch.float32)
+    return m, h, load_tokenizer(model)
 
 
 def load_embedded(path=EMBEDDED, device=None, dtype=None):
-    """(model, heads, tokenizer) of a model folder that has a heads/ subfolder (the embedded model's layout)."""
-    from transformers import AutoTokenizer
-    model = load_model(path, device=device, dtype=dtype)
-    heads = load_heads(os.path.join(path, "heads"), device=model.device, dtype=model.dtype)
-    tok = AutoTokenizer.from_pretrained(path)
-    return model, heads, tok
-
-
-def default_tree(heads_dir, num_heads, budget=None):
-    """The tree tuned to the heads' measured accuracies (heads/accuracy.json) if present, else the preset.
-
-    accuracy.json: {"acc": [[...K...] x H], "tree_budget": N} — acc[h][r] = P(rank r of head h is right).
-    """
-    if os.path.exists(os.path.join(heads_dir, "accuracy.json")):
-        acc, stored_budget = read_accuracy(heads_dir, num_heads)
-        return Tree.from_accuracies(acc, budget or stored_budget)
-    return get_tree(None, num_heads)
+    """(model, heads, tokenizer) of a model folder that has a heads/ subfolder (the tiny model's layout)."""
+    return load_bundle(path, os.path.join(path, "heads"), device, dtype)
 
 
 def read_prompts(path=PROMPTS, n=None):
@@ -54,89 +61,184 @@ def read_accuracy(heads_dir, num_heads):
     return torch.tensor(info["acc"], dtype=torch.float64)[:num_heads], int(info.get("tree_budget", 16))
 
 
-def _tree_arg(arg, heads_dir, num_heads, model=None, batch=1, kernels="auto"):
-    """'auto': tuned to the heads' accuracies AND this hardware's step cost (mtp_triton.tuning.best_tree);
-    'tuned': tuned to the accuracies with the budget stored beside them; else a preset name."""
+def default_tree(heads_dir, num_heads, budget=None):
+    """The tree tuned to the heads' measured accuracies (heads/accuracy.json) if present, else the preset."""
+    if os.path.exists(os.path.join(heads_dir, "accuracy.json")):
+        acc, stored_budget = read_accuracy(heads_dir, num_heads)
+        return Tree.from_accuracies(acc, budget or stored_budget)
+    return get_tree(None, num_heads)
+
+
+def pick_tree(arg, heads, heads_dir, model=None, kernels="auto", log=sys.stderr):
+    """'stored': the tree saved with the heads (else tuned to their accuracy.json); 'auto': tuned now to the
+    accuracies and this machine's measured step costs (mtp_triton.tuning); 'tuned': accuracies only; else a preset."""
+    if arg == "stored" and heads.tree is not None:
+        return Tree.from_choices(heads.tree)
     if arg == "auto" and model is not None and os.path.exists(os.path.join(heads_dir, "accuracy.json")):
         from .tuning import best_tree
-        tree, table = best_tree(model, read_accuracy(heads_dir, num_heads)[0], batch=batch, kernels=kernels)
-        print("tree size for this hardware (expected tokens/step ÷ measured step-cost ratio):")
+        tree, table = best_tree(model, read_accuracy(heads_dir, heads.num_heads)[0], kernels=kernels)
+        print("tree size for this machine (expected tokens/step / measured step-cost ratio):", file=log)
         for r in table:
-            print(f"  budget {r['budget']:3d}: {r['nodes']:3d} nodes, E[tokens/step] {r['expected_tokens_per_step']:.2f}, "
-                  f"cost x{r['cost_ratio']:.2f} -> expected speedup {r['expected_speedup']:.2f}")
+            print(f"  budget {r['budget']:3d}: {r['nodes']:3d} nodes, E[tokens/step] {r['expected_tokens_per_step']:.2f}"
+                  f", cost x{r['cost_ratio']:.2f} -> predicted speedup {r['expected_speedup']:.2f}", file=log)
         return tree
-    return default_tree(heads_dir, num_heads) if arg in (None, "auto", "tuned") else get_tree(arg, num_heads)
+    if arg in ("stored", "auto", "tuned"):
+        return default_tree(heads_dir, heads.num_heads)
+    return get_tree(arg, heads.num_heads)
+
+
+def encode(tok, text):
+    """Prompt ids: the chat template (one user turn) when the tokenizer has one, else the raw text."""
+    if getattr(tok, "chat_template", None):
+        from .training.answers import chat_ids
+        return chat_ids(tok, text)
+    return tok(text)["input_ids"]
+
+
+def pick_prompts(rows, per_category):
+    """The first `per_category` rows of every category, in file order (rows without one count as 'all')."""
+    seen, out = {}, []
+    for r in rows:
+        c = r.get("category", "all")
+        if seen.get(c, 0) < per_category:
+            out.append(r)
+            seen[c] = seen.get(c, 0) + 1
+    return out
+
+
+def run_pair(model, heads, tree, ids, max_new, eos, kernels):
+    """Serial then MTP on one prompt (batch 1). -> (serial result, mtp result)"""
+    ser = generate(model, [ids], max_new, mtp=False, eos_token_id=eos, kernels=kernels)
+    mtp = generate(model, [ids], max_new, heads=heads, tree=tree, eos_token_id=eos, kernels=kernels)
+    return ser, mtp
+
+
+def summarise(pairs):
+    """Decode tokens/s over all pairs (total tokens / total time), tau and acceptance per depth of the MTP runs."""
+    def rate(rs):
+        tok = sum(r.stats.new_tokens - 1 for r in rs)
+        sec = sum(r.stats.total_s - r.stats.ttft_s for r in rs)
+        return tok / sec if sec > 0 else float("nan")
+    ser, mtp = [p[0] for p in pairs], [p[1] for p in pairs]
+    steps = sum(sum(r.stats.accept_len_histogram) for r in mtp)
+    depth = max(len(r.stats.accept_rate_per_depth) for r in mtp)
+    acc = []
+    for d in range(depth):
+        w = [(sum(r.stats.accept_len_histogram), r.stats.accept_rate_per_depth[d]) for r in mtp
+             if d < len(r.stats.accept_rate_per_depth)]
+        acc.append(sum(n * a for n, a in w) / max(sum(n for n, _ in w), 1))
+    return dict(prompts=len(pairs), serial_tok_s=rate(ser), mtp_tok_s=rate(mtp),
+                speedup=rate(mtp) / rate(ser), tau=sum(r.stats.new_tokens - 1 for r in mtp) / max(steps, 1),
+                accept_rate_per_depth=acc, identical=sum(p[0].tokens == p[1].tokens for p in pairs))
 
 
 def demo(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m mtp_triton demo", description=__doc__)
-    ap.add_argument("--model", default=EMBEDDED)
-    ap.add_argument("--prompts", default=PROMPTS, help="JSONL with a 'text' field")
-    ap.add_argument("--num-prompts", type=int, default=3)
-    ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--tree", default="auto", help="'auto' (tuned to the heads' accuracies and this hardware's "
-                    "step cost), 'tuned' (accuracies only, budget from heads/accuracy.json) or a preset name")
+    ap = argparse.ArgumentParser(prog="python -m mtp_triton demo", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=SMOLLM2, help="a short name, a checkpoint folder or a .gguf file")
+    ap.add_argument("--heads", default=None, help="heads folder (default: the model's shipped heads)")
+    ap.add_argument("--prompts", default=None, help="JSONL with 'text' (and 'category'); default: held-out chat "
+                    "prompts for chat models, held-out code for the tiny model")
+    ap.add_argument("--per-category", type=int, default=2)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--tree", default="stored", help="'stored' (saved with the heads), 'auto' (tuned now to this "
+                    "machine), 'tuned' (to the heads' accuracies) or a preset name")
     ap.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"])
+    ap.add_argument("--dtype", default=None, choices=["bf16", "fp32"])
     ap.add_argument("--device", default=None)
     ap.add_argument("--out", default=os.path.join("out", "demo"))
     a = ap.parse_args(argv)
-    model, heads, tok = load_embedded(a.model, device=a.device)
-    texts = [r["text"] for r in read_prompts(a.prompts, a.num_prompts)]
-    prompts = [tok(t)["input_ids"] for t in texts]
-    tree = _tree_arg(a.tree, os.path.join(a.model, "heads"), heads.num_heads, model, len(prompts), a.kernels)
+    try:
+        ensure_writable_dir(a.out)
+        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[a.dtype]
+        model, heads, tok = load_bundle(a.model, a.heads, a.device, dtype)
+    except (OSError, ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    heads_dir = a.heads or heads_dir_for(a.model)
+    chat = bool(getattr(tok, "chat_template", None))
+    rows = read_prompts(a.prompts or (CHAT_PROMPTS if chat else PROMPTS))
+    rows = pick_prompts(rows, a.per_category) if chat else rows[:3]
+    tree = pick_tree(a.tree, heads, heads_dir, model, a.kernels)
     eos = tok.eos_token_id
-    dev = model.device
-    print(f"model {a.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M params, {model.config.num_hidden_layers}"
-          f" layers, {heads.num_heads} heads; device {dev}, dtype {model.dtype}, kernels {a.kernels}; tree of "
+    print(f"model {a.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f} M params, {model.dtype}, "
+          f"{torch.get_num_threads()} threads, kernels {a.kernels}; {heads.num_heads} heads"
+          f"{f', draft vocabulary {len(heads.token_map)}' if heads.token_map is not None else ''}; tree of "
           f"{tree.size} nodes (depth {tree.max_depth})")
-    generate(model, prompts[:1], 8, heads=heads, tree=tree, kernels=a.kernels)          # warm-up, not timed
-    generate(model, prompts[:1], 8, mtp=False, kernels=a.kernels)
-    ser = generate(model, prompts, a.max_new_tokens, mtp=False, eos_token_id=eos, kernels=a.kernels)
-    mtp = generate(model, prompts, a.max_new_tokens, heads=heads, tree=tree, eos_token_id=eos, kernels=a.kernels)
-    same = ser.tokens == mtp.tokens
-    for i, (t, s, m) in enumerate(zip(texts, ser.tokens, mtp.tokens)):
-        print(f"\n--- prompt {i} (last line): {t.rstrip().splitlines()[-1][:70]!r}")
-        print(f"serial: {tok.decode(s)[:300]!r}")
-        print(f"mtp   : {'(identical)' if s == m else tok.decode(m)[:300]!r}")
-    s, m = ser.stats.as_dict(), mtp.stats.as_dict()
-    speedup = m["decode_tokens_per_s"] / s["decode_tokens_per_s"]
-    print(f"\noutputs identical: {same}")
-    print(f"tau (tokens per verify step, bonus included): {m['tokens_per_step']:.2f}")
-    print("acceptance per depth: " + ", ".join(f"d{d + 1} {r:.0%}" for d, r in enumerate(m["accept_rate_per_depth"])))
-    print(f"decode tokens/s: serial {s['decode_tokens_per_s']:.1f}, MTP {m['decode_tokens_per_s']:.1f} -> "
-          f"speedup {speedup:.2f}x ({env_info(dev)['device']}, batch {len(prompts)})")
-    print(f"time per phase (MTP): draft {m['time_draft_s']:.2f}s, verify {m['time_verify_s']:.2f}s, accept "
-          f"{m['time_accept_s']:.2f}s, append {m['time_append_s']:.2f}s")
-    env = env_info(dev)
-    rows = [dict(env, run="demo", mode=mode, tree=a.tree, tree_size=r.stats.tree_size, batch=len(prompts),
-                 max_new_tokens=a.max_new_tokens, kernels=r.stats.kernels, tokens_per_step=r.stats.tokens_per_step,
-                 decode_tokens_per_s=r.stats.decode_tokens_per_s, ttft_s=r.stats.ttft_s,
-                 identical=same, command="python -m mtp_triton demo " + " ".join(argv or sys.argv[2:]))
-            for mode, r in (("serial", ser), ("mtp", mtp))]
-    os.makedirs(a.out, exist_ok=True)
-    append_rows(os.path.join(a.out, "demo.csv"), rows)
-    _plot(s, m, env, os.path.join(a.out, "demo.png"))
+    ids0 = encode(tok, rows[0]["text"])
+    run_pair(model, heads, tree, ids0, 8, eos, a.kernels)                          # warm-up, not timed
+    pairs, cats = [], []
+    for r in rows:
+        ids = encode(tok, r["text"])
+        ser, mtp = run_pair(model, heads, tree, ids, a.max_new_tokens, eos, a.kernels)
+        pairs.append((ser, mtp))
+        cats.append(r.get("category", "all"))
+        same = ser.tokens == mtp.tokens
+        print(f"\n--- [{cats[-1]}] {r['text'][:90]!r}")
+        print(f"    {tok.decode(ser.tokens[0], skip_special_tokens=True)[:240]!r}")
+        print(f"    MTP: {'identical' if same else 'DIFFERENT: ' + tok.decode(mtp.tokens[0])[:200]!r}, tau "
+              f"{mtp.stats.tokens_per_step:.2f}, {ser.stats.decode_tokens_per_s:.1f} -> "
+              f"{mtp.stats.decode_tokens_per_s:.1f} tok/s")
+    groups = {c: [p for p, pc in zip(pairs, cats) if pc == c] for c in dict.fromkeys(cats)}
+    table = {c: summarise(ps) for c, ps in groups.items()}
+    table["all"] = summarise(pairs)
+    print(f"\n| category | prompts | serial tok/s | MTP tok/s | speedup | tau | identical |")
+    print("|---|---|---|---|---|---|---|")
+    for c, s in table.items():
+        print(f"| {c} | {s['prompts']} | {s['serial_tok_s']:.1f} | {s['mtp_tok_s']:.1f} | {s['speedup']:.2f}x | "
+              f"{s['tau']:.2f} | {s['identical']}/{s['prompts']} |")
+    s = table["all"]
+    print("acceptance per depth: " + ", ".join(f"d{d + 1} {r:.0%}" for d, r in enumerate(s["accept_rate_per_depth"])))
+    predicted = _predicted(heads, tree)
+    if predicted is not None:
+        print(f"predicted speedup when the tree was chosen: {predicted:.2f}x; measured now: {s['speedup']:.2f}x")
+    env = env_info(model.device)
+    cmd = "python -m mtp_triton demo " + " ".join(argv if argv is not None else sys.argv[2:])
+    out_rows = [dict(env, run="demo", model=a.model, dtype=str(model.dtype).replace("torch.", ""),
+                     threads=torch.get_num_threads(), prompt_id=r.get("id"), category=c, mode=mode,
+                     tree_size=tree.size, max_new_tokens=a.max_new_tokens, kernels=res.stats.kernels,
+                     new_tokens=res.stats.new_tokens, steps=res.stats.steps, tokens_per_step=res.stats.tokens_per_step,
+                     decode_tokens_per_s=res.stats.decode_tokens_per_s, ttft_s=res.stats.ttft_s,
+                     decode_s=res.stats.total_s - res.stats.ttft_s, identical=p[0].tokens == p[1].tokens,
+                     predicted_speedup=predicted, command=cmd)
+                for r, c, p in zip(rows, cats, pairs) for mode, res in (("serial", p[0]), ("mtp", p[1]))]
+    append_rows(os.path.join(a.out, "demo.csv"), out_rows)
+    _plot(table, env, os.path.join(a.out, "demo.png"))
     print(f"wrote {a.out}/demo.csv and {a.out}/demo.png")
-    if not same:
+    if s["identical"] != s["prompts"]:
         print("ERROR: MTP output differs from serial output", file=sys.stderr)
         return 1
     return 0
 
 
-def _plot(s, m, env, path):
+def _predicted(heads, tree):
+    """The predicted speedup stored with the heads for this tree size (from the tuning table), if any."""
+    for r in heads.meta.get("tuning", []):
+        if r.get("nodes") == tree.size:
+            return r.get("predicted_speedup")
+    return None
+
+
+def _plot(table, env, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(1, 2, figsize=(9, 3.2), dpi=80)
-    ax[0].bar(["serial", "MTP"], [s["decode_tokens_per_s"], m["decode_tokens_per_s"]], color=["grey", "tab:blue"])
-    ax[0].set_ylabel("decode tokens/s")
-    ax[0].set_title(f"{env['device'][:40]}", fontsize=9)
-    rates = m["accept_rate_per_depth"]
+    cats = [c for c in table if c != "all"] + ["all"]
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.4), dpi=80)
+    x = range(len(cats))
+    ax[0].bar([i - 0.2 for i in x], [table[c]["serial_tok_s"] for c in cats], 0.4, label="serial", color="grey")
+    ax[0].bar([i + 0.2 for i in x], [table[c]["mtp_tok_s"] for c in cats], 0.4, label="MTP", color="tab:blue")
+    ax[0].set_xticks(list(x), cats, rotation=30, fontsize=8)
+    ax[0].set_ylabel("decode tokens/s (batch 1)")
+    ax[0].legend(fontsize=8)
+    ax[0].set_title(env["device"][:48], fontsize=9)
+    rates = table["all"]["accept_rate_per_depth"]
     ax[1].bar(range(1, len(rates) + 1), rates, color="tab:green")
     ax[1].set_xlabel("depth")
     ax[1].set_ylabel("acceptance rate")
     ax[1].set_ylim(0, 1)
-    ax[1].set_title(f"tau = {m['tokens_per_step']:.2f} tokens / step", fontsize=9)
+    ax[1].set_title(f"tau = {table['all']['tau']:.2f} tokens / step, speedup {table['all']['speedup']:.2f}x",
+                    fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -145,24 +247,40 @@ def _plot(s, m, env, path):
 def text_generate(argv=None):
     ap = argparse.ArgumentParser(prog="python -m mtp_triton generate")
     ap.add_argument("--prompt", required=True)
-    ap.add_argument("--model", default=EMBEDDED)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--tree", default="auto", help="'auto', 'tuned' or a preset name (see demo --help)")
+    ap.add_argument("--model", default=SMOLLM2)
+    ap.add_argument("--heads", default=None)
+    ap.add_argument("--raw", action="store_true", help="don't wrap the prompt in the chat template")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--tree", default="stored", help="'stored', 'auto', 'tuned' or a preset name (see demo --help)")
     ap.add_argument("--no-mtp", action="store_true")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"])
+    ap.add_argument("--dtype", default=None, choices=["bf16", "fp32"])
     ap.add_argument("--device", default=None)
     a = ap.parse_args(argv)
-    model, heads, tok = load_embedded(a.model, device=a.device)
-    tree = _tree_arg(a.tree, os.path.join(a.model, "heads"), heads.num_heads, model, 1, a.kernels)
-    ids = tok(a.prompt)["input_ids"]
-    res = generate(model, [ids], a.max_new_tokens, heads=heads, mtp=not a.no_mtp, tree=tree,
-                   temperature=a.temperature, top_p=a.top_p, seed=a.seed, eos_token_id=tok.eos_token_id,
-                   kernels=a.kernels)
-    print(a.prompt + tok.decode(res.tokens[0]))
-    s = res.stats.as_dict()
-    print(f"\n[{s['new_tokens']} tokens, {s['steps']} steps, tau {s['tokens_per_step']:.2f}, "
-          f"{s['decode_tokens_per_s']:.1f} tok/s decode, TTFT {s['ttft_s'] * 1e3:.0f} ms]", file=sys.stderr)
+    try:
+        a.prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        print("error: --prompt is not valid UTF-8 text", file=sys.stderr)
+        return 2
+    try:
+        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[a.dtype]
+        model, heads, tok = load_bundle(a.model, a.heads, a.device, dtype)
+        tree = pick_tree(a.tree, heads, a.heads or heads_dir_for(a.model), model, a.kernels)
+        ids = tok(a.prompt)["input_ids"] if a.raw else encode(tok, a.prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        t0 = time.perf_counter()
+        res = generate(model, [ids], a.max_new_tokens, heads=heads, mtp=not a.no_mtp, tree=tree,
+                       temperature=a.temperature, top_p=a.top_p, seed=a.seed, eos_token_id=tok.eos_token_id,
+                       kernels=a.kernels)
+    except (OSError, ValueError, RuntimeError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print((a.prompt if a.raw else "") + tok.decode(res.tokens[0], skip_special_tokens=not a.raw))
+    s = res.stats
+    print(f"\n[{s.new_tokens} tokens, {s.steps} steps, tau {s.tokens_per_step:.2f}, {s.decode_tokens_per_s:.1f} tok/s "
+          f"decode, TTFT {s.ttft_s * 1e3:.0f} ms, {time.perf_counter() - t0:.1f} s]", file=sys.stderr)
     return 0

@@ -74,6 +74,7 @@ class MTPHeads(nn.Module):
         self.register_buffer("_token_map", None)
         self.token_map = token_map
         self.tree = tree
+        self.meta = {}                     # what heads.json said when loaded (training record, tuning table, ...)
         self._draft_cache = None
 
     @property
@@ -271,6 +272,7 @@ def load_heads(path, device=None, dtype=None):
         raise ValueError(f"load_heads: {file}: bad shapes lm_head {tuple(lm.shape)}, expected [{H}, V, {D}]")
     meta = _read_meta(os.path.dirname(file), H, D, file) if kind == "mtp" else {}
     heads = MTPHeads(H, D, dtype=dtype or w.dtype, device=device, vocab_size=None if lm is None else lm.shape[1])
+    heads.meta = dict(meta)
     try:
         heads.token_map = tensors.get("token_map")
         heads.tree = meta.get("tree")

@@ -56,14 +56,13 @@ class Plan:
     """Per-step layout, shared by every layer: which positions are shared chunks and what each tail slot holds."""
     B: int
     T: int
-    n_shared: int              # shared positions [0, n_shared) (a multiple of CHUNK)
-    W: int                     # tail slots per node (a multiple of CHUNK)
+    n_shared: int               # shared positions [0, n_shared) (a multiple of CHUNK)
+    W: int                      # tail slots per node (a multiple of CHUNK)
     shared_slots: torch.Tensor  # [B, n_shared] int64 flat cache slot (block * BS + offset) per shared position
-    shared_ok: torch.Tensor     # [B, T, n_shared] bool: visible to the node
-    tail_cache: torch.Tensor    # [B, W] int64 flat cache slot for tail slots that are cached positions (else 0)
-    tail_is_cache: torch.Tensor  # [B, W] bool
-    tail_node: torch.Tensor     # [B, T, W] int64 tree node for tail slots that are ancestors (else 0)
-    tail_ok: torch.Tensor       # [B, T, W] bool: visible to the node
+    shared_ok: torch.Tensor     # [B, 1, T, 1, n_shared] bool: visible to the node (broadcasts over Hkv and G)
+    tail_cache: torch.Tensor    # [B * W] int64 flat cache slot of each sequence's tail positions (0 if not cached)
+    tail_src: torch.Tensor      # [B, T, W] int64 row of [cached tail rows (B * W); tree rows (B * T)] per tail slot
+    tail_ok: torch.Tensor       # [B, 1, T, 1, W] bool: visible to the node
 
 
 def plan(block_table, cache_lens, tree_mask, block_size, window=None):
@@ -85,70 +84,74 @@ def plan(block_table, cache_lens, tree_mask, block_size, window=None):
     def visible(p, ok):                             # window: node at pos sees p iff pos - p < window
         if window is not None:
             ok = ok & (pos[:, :, None] - p[:, None, :] < window)
-        return ok
+        return ok[:, None, :, None, :]              # [B, 1, T, 1, X]
 
     sp = torch.arange(n_shared, device=dev)[None, :].expand(B, -1)                 # [B, n_shared]
     shared_slots = slot(sp) if n_shared else sp.clone()
     shared_ok = visible(sp, (sp < start[:, None])[:, None, :].expand(B, T, -1))
     tp = start[:, None] + torch.arange(W, device=dev)[None, :]                    # [B, W] absolute position
-    tail_is_cache = tp < n[:, None]
-    tail_cache = torch.where(tail_is_cache, slot(torch.minimum(tp, (n[:, None] - 1).clamp(min=0))), 0)
+    is_cache = tp < n[:, None]                                                     # [B, W]
+    tail_cache = torch.where(is_cache, slot(torch.minimum(tp, (n[:, None] - 1).clamp(min=0))), 0).reshape(-1)
     # ancestors by depth: the k-th visible tree node of row i is its ancestor at depth k (parents precede children)
     rank = torch.cumsum(mask.long(), -1) - 1                                       # [B, T, T]
     anc = torch.zeros(B, T, T + 1, dtype=torch.int64, device=dev)                 # anc[b, i, k]; k = T: discard
     anc.scatter_(2, torch.where(mask, rank, T), torch.arange(T, device=dev).expand(B, T, T).contiguous())
-    d_slot = tp[:, None, :] - n[:, None, None]                                     # [B, 1, W] depth a slot holds
+    d_slot = (tp - n[:, None])[:, None, :].expand(B, T, W)                         # depth a tail slot holds
     is_anc = (d_slot >= 0) & (d_slot <= depth[:, :, None])                         # [B, T, W]
-    tail_node = anc.gather(2, d_slot.clamp(0, T - 1).expand(B, T, W)) * is_anc
-    tail_ok = visible(tp, tail_is_cache[:, None, :] | is_anc)
-    return Plan(B, T, n_shared, W, shared_slots, shared_ok, tail_cache, tail_is_cache, tail_node, tail_ok)
+    node = anc.gather(2, d_slot.clamp(0, T - 1)) * is_anc
+    b = torch.arange(B, device=dev)[:, None, None]
+    cache_row = b * W + torch.arange(W, device=dev)[None, None, :]
+    tail_src = torch.where(is_cache[:, None, :], cache_row, B * W + b * T + node)  # [B, T, W]
+    tail_ok = visible(tp, is_cache[:, None, :] | is_anc)
+    return Plan(B, T, n_shared, W, shared_slots, shared_ok, tail_cache, tail_src, tail_ok)
 
 
-def attention(q, k_cache, v_cache, k_tree, v_tree, p, sm_scale=None):
+def attention(q, k_cache, v_cache, k_tree, v_tree, p, sm_scale=None, finite=False):
     """q [B, T, Hq, Dh]; k_cache, v_cache [NB, BS, Hkv, Dh] (one layer); k_tree, v_tree [B, T, Hkv, Dh]; p: Plan.
-    -> out [B, T, Hq, Dh] in q's dtype."""
+    -> out [B, T, Hq, Dh] in q's dtype. finite=True: the caches hold no NaN/inf anywhere (the engine's own caches),
+    so values a node cannot see need not be zeroed (their probability is exactly 0).
+    Layout inside: KV-head-major, [Hkv, B, T, G, .], so every gather lands contiguous for the matmuls."""
     B, T, Hq, Dh = q.shape
     Hkv = k_cache.shape[2]
-    G = Hq // Hkv
+    G, C, W, S = Hq // Hkv, CHUNK, p.W, p.n_shared
     dt = q.dtype
     scale = Dh ** -0.5 if sm_scale is None else sm_scale
-    kc, vc = k_cache.reshape(-1, Hkv, Dh), v_cache.reshape(-1, Hkv, Dh)            # [slots, Hkv, Dh]
-    qh = q.view(B, T, Hkv, G, Dh).permute(0, 2, 1, 3, 4)                           # [B, Hkv, T, G, Dh]
-    ones = torch.ones(1, dtype=dt, device=q.device)
+    kc = k_cache.reshape(-1, Hkv, Dh).permute(1, 0, 2)                             # [Hkv, slots, Dh] (a view)
+    vc = v_cache.reshape(-1, Hkv, Dh).permute(1, 0, 2)
+    qh = q.view(B, T, Hkv, G, Dh).permute(2, 0, 1, 3, 4).contiguous()              # [Hkv, B, T, G, Dh]
 
-    # tail keys per node: cached positions of the tail chunks, then the node's ancestors by depth
-    idx = p.tail_node.reshape(B, T * p.W)
-    kt = k_tree.gather(1, idx[..., None, None].expand(-1, -1, Hkv, Dh)).view(B, T, p.W, Hkv, Dh)
-    vt = v_tree.gather(1, idx[..., None, None].expand(-1, -1, Hkv, Dh)).view(B, T, p.W, Hkv, Dh)
-    cached = p.tail_is_cache[:, None, :, None, None]
-    kt = torch.where(cached, kc[p.tail_cache][:, None], kt).permute(0, 3, 1, 2, 4)  # [B, Hkv, T, W, Dh]
-    vt = torch.where(cached, vc[p.tail_cache][:, None], vt).permute(0, 3, 1, 2, 4)
-    vt = torch.where(p.tail_ok[:, None, :, :, None], vt, 0)                        # no NaN from unused slots
-    s_tail = (qh @ kt.transpose(-1, -2)).float() * scale                           # [B, Hkv, T, G, W]
-    s_tail = s_tail.masked_fill(~p.tail_ok[:, None, :, None, :], float("-inf"))
-    m = s_tail.amax(-1)                                                            # [B, Hkv, T, G]; self is visible
-    if p.n_shared:
-        ks = kc[p.shared_slots].permute(0, 2, 1, 3)                                # [B, Hkv, S, Dh]
-        vs = vc[p.shared_slots].permute(0, 2, 1, 3)
-        s_sh = (qh.reshape(B, Hkv, T * G, Dh) @ ks.transpose(-1, -2)).float() * scale  # [B, Hkv, T*G, S]
-        s_sh = s_sh.view(B, Hkv, T, G, -1).masked_fill(~p.shared_ok[:, None, :, None, :], float("-inf"))
+    # tail: per node, the cached positions of its last chunks, then its ancestors by depth (one gather each)
+    def tail_rows(cache_h, tree):                                                  # -> [Hkv, B, T, W, Dh]
+        src = torch.cat([cache_h[:, p.tail_cache], tree.reshape(B * T, Hkv, Dh).permute(1, 0, 2)], 1)
+        return src[:, p.tail_src]
+    kt, vt = tail_rows(kc, k_tree), tail_rows(vc, v_tree)
+    ok_t = p.tail_ok.permute(1, 0, 2, 3, 4)                                        # [1, B, T, 1, W]
+    if not finite:
+        vt = vt.masked_fill(~ok_t[..., 0, :, None], 0)                             # no NaN from unused slots
+    s_tail = (qh @ kt.transpose(-1, -2)).float() * scale                           # [Hkv, B, T, G, W]
+    s_tail = s_tail.masked_fill(~ok_t, float("-inf"))
+    m = s_tail.amax(-1)                                                            # [Hkv, B, T, G]; self is visible
+    if S:
+        ks, vs = kc[:, p.shared_slots], vc[:, p.shared_slots]                      # [Hkv, B, S, Dh]
+        if not finite:
+            vs = vs.masked_fill(~p.shared_ok.any(2)[None, :, 0, 0, :, None], 0)
+        s_sh = (qh.view(Hkv, B, T * G, Dh) @ ks.transpose(-1, -2)).float() * scale  # [Hkv, B, T*G, S]
+        s_sh = s_sh.view(Hkv, B, T, G, S).masked_fill(~p.shared_ok.permute(1, 0, 2, 3, 4), float("-inf"))
         m = torch.maximum(m, s_sh.amax(-1))
 
-    # chunk partials [.., chunks, Dh + 1] = p @ [v | 1], one bf16 matmul per chunk of CHUNK positions
-    C = CHUNK
-    e_tail = torch.exp(s_tail - m[..., None]).to(dt).view(B, Hkv, T, G, p.W // C, C).transpose(3, 4)
-    v1 = torch.cat([vt, ones.expand(B, Hkv, T, p.W, 1)], -1).view(B, Hkv, T, p.W // C, C, Dh + 1)
-    parts = [(e_tail @ v1).transpose(3, 4)]                                        # [B, Hkv, T, G, Wc, Dh+1]
-    if p.n_shared:
-        S = p.n_shared
-        e_sh = torch.exp(s_sh - m[..., None]).to(dt).view(B, Hkv, T * G, S // C, C).transpose(2, 3)
-        vs = vs.masked_fill(~(p.shared_ok.any(1))[:, None, :, None], 0)            # [B, Hkv, S, Dh]
-        vs1 = torch.cat([vs, ones.expand(B, Hkv, S, 1)], -1).view(B, Hkv, S // C, C, Dh + 1)
-        sh = (e_sh @ vs1).transpose(2, 3).reshape(B, Hkv, T, G, S // C, Dh + 1)   # [B, Hkv, T, G, Sc, Dh+1]
-        parts.insert(0, sh)
-    total = torch.cumsum(torch.cat(parts, 4).double(), 4)[..., -1, :]             # in position order
-    out = (total[..., :Dh] / total[..., Dh:]).to(dt)                               # [B, Hkv, T, G, Dh]
-    return out.permute(0, 2, 1, 3, 4).reshape(B, T, Hq, Dh)
+    # chunk partials, in position order: o_c = p_c @ v_c (one bf16 matmul per chunk of C positions), l_c = sum p_c
+    e_t = torch.exp(s_tail - m[..., None]).to(dt).view(Hkv, B, T, G, W // C, C)
+    o = [(e_t.transpose(3, 4) @ vt.view(Hkv, B, T, W // C, C, Dh)).transpose(3, 4)]   # [Hkv, B, T, G, Wc, Dh]
+    l = [e_t.float().sum(-1)]                                                      # [Hkv, B, T, G, Wc]
+    if S:
+        e_s = torch.exp(s_sh - m[..., None]).to(dt).view(Hkv, B, T * G, S // C, C).transpose(2, 3)
+        o_s = (e_s @ vs.view(Hkv, B, S // C, C, Dh)).transpose(2, 3)              # [Hkv, B, T*G, Sc, Dh]
+        o.insert(0, o_s.reshape(Hkv, B, T, G, S // C, Dh))
+        l.insert(0, e_s.transpose(2, 3).float().sum(-1).view(Hkv, B, T, G, S // C))
+    o = torch.cumsum(torch.cat(o, 4).double(), 4)[..., -1, :]                      # sequential, position order
+    l = torch.cumsum(torch.cat(l, 4).double(), 4)[..., -1]
+    out = (o / l[..., None]).to(dt)                                                # [Hkv, B, T, G, Dh]
+    return out.permute(1, 2, 0, 3, 4).reshape(B, T, Hq, Dh)
 
 
 def tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask, sm_scale=None, *,

@@ -269,7 +269,8 @@ class LlamaEngine(nn.Module):
                 w = cfg.window(l)
                 if w not in plans:
                     plans[w] = invariant.plan(block_table, cache_lens, tree_mask, cache.block_size, w)
-                o = invariant.attention(q.contiguous(), cache.k[l], cache.v[l], k_tree[l], v_tree[l], plans[w])
+                o = invariant.attention(q.contiguous(), cache.k[l], cache.v[l], k_tree[l], v_tree[l], plans[w],
+                                        finite=True)
             else:
                 o = ops.tree_attention(q.contiguous(), cache.k[l], cache.v[l], block_table, cache_lens,
                                        k_tree[l], v_tree[l], tree_mask, window=cfg.window(l),

@@ -1,0 +1,289 @@
+"""Heads for a frozen chat model, distilled from its own answers (the recipe behind the shipped SmolLM2 heads).
+
+    python -m mtp_triton train_heads distill --model smollm2-135m-instruct --prompts data/chat/train.jsonl \
+        --work runs/smollm2 --out data/smollm2-135m-instruct-heads --minutes 30
+
+1. answers  the model answers every training prompt greedily, a share also by sampling (`answers.py`; resumable)
+2. vocab    the draft vocabulary: the N most frequent tokens of those answers (FR-Spec, Zhao et al. 2025, ranks
+            the drafter's vocabulary by frequency the same way); drafting scores only those rows of the LM head
+3. cache    one teacher-forced pass stores, at every answer position t, the final-norm hidden state x_t and the
+            base's own next-token distribution over the draft vocabulary (its top-K, renormalised)
+4. train    head h at position t learns the base's distribution at t + h + 1 (which predicts token t + h + 2):
+                L_h = - sum_k p_base(k | x_{t+h+1}) log softmax(lm_head_V'(z_h(x_t)))_k,   z_h = x + silu(W_h x + b_h)
+            the base never changes, so training touches only the cache; W_h starts at 0 (each head starts as the LM
+            head, as in Medusa, Cai et al. 2024)
+5. measure  on held-out answers: per-head top-k accuracy against the base's greedy token and the exact greedy tau of
+            any tree (`simulate_tau`: greedy MTP emits the serial tokens, so replaying the serial answer with the
+            heads' top-k at each accepted position gives the tokens per step a real run would have)
+
+Everything is bf16 on the CPU (the engine's exact mode, so MTP stays token-identical to serial decoding).
+"""
+import collections
+import json
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+from ..heads import MTPHeads
+from ..tree import Tree
+from .answers import read_prompts, write_answers
+from .loop import Loop, LoopConfig, Recorder, write_json
+
+
+def read_answers(path, ids=None):
+    rows = []
+    with open(path) as f:
+        for line in f:
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if ids is None or r["id"] in ids:
+                rows.append(r)
+    return rows
+
+
+def draft_vocab(rows, size, always=()):
+    """token_map: the `size` most frequent answer tokens (plus `always`, e.g. EOS), as increasing ids."""
+    counts = collections.Counter(t for r in rows for t in r["answer_ids"])
+    keep = set(always) | {t for t, _ in counts.most_common(max(size - len(set(always)), 0))}
+    return torch.tensor(sorted(keep), dtype=torch.int64)
+
+
+def coverage(rows, token_map):
+    """Share of answer tokens that are in the draft vocabulary (an upper bound on any head's accuracy)."""
+    inside = set(token_map.tolist())
+    toks = [t for r in rows for t in r["answer_ids"]]
+    return sum(t in inside for t in toks) / max(len(toks), 1)
+
+
+@torch.no_grad()
+def answer_hidden(model, rows, batch=16):
+    """Per row: x [n, D] (model dtype, CPU), the final-norm hidden states at the positions whose next token is answer
+    token 0 .. n-1 (i.e. the last prompt token and the answer tokens but the last), and the answer ids [n]."""
+    from ..ops import get_ops
+    ops = get_ops("torch", model.device)
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i]["prompt_ids"]) + len(rows[i]["answer_ids"]))
+    res = [None] * len(rows)
+    for i in range(0, len(order), batch):
+        part = [rows[j] for j in order[i:i + batch]]
+        seqs = [r["prompt_ids"] + r["answer_ids"] for r in part]
+        B, S = len(seqs), max(len(s) for s in seqs)
+        dev = model.device
+        lens = torch.tensor([len(s) for s in seqs], device=dev)
+        tokens = torch.zeros(B, S, dtype=torch.int64, device=dev)
+        for b, s in enumerate(seqs):
+            tokens[b, :len(s)] = torch.tensor(s, device=dev)
+        idx = torch.arange(S, device=dev)
+        real = idx[None, :] < lens[:, None]
+        mask = (torch.tril(torch.ones(S, S, dtype=torch.bool, device=dev))[None] & real[:, None, :]
+                & real[:, :, None]) | torch.eye(S, dtype=torch.bool, device=dev)
+        cache = model.new_cache([S] * B)
+        h, _, _ = model.forward_tree(tokens, idx[None, :].expand(B, S), mask, cache, torch.arange(B, device=dev),
+                                     ops, check_values=False, exact=False)
+        for b, (j, r) in enumerate(zip(order[i:i + batch], part)):
+            P, n = len(r["prompt_ids"]), len(r["answer_ids"])
+            res[j] = (h[b, P - 1:P - 1 + n].cpu(), torch.tensor(r["answer_ids"]))
+    return res
+
+
+@torch.no_grad()
+def build_cache(model, rows, token_map, top_k=16, batch=16, num_heads=4):
+    """Flat training arrays over every answer position: x [N, D]; the base's top-K over the draft vocab there
+    (rows of lm_head[token_map], renormalised) tgt_idx [N, K], tgt_p [N, K]; greedy [N] the base's greedy token
+    (full vocab); ok [N, H]: head h at position i has a target (position i + h + 1 is in the same answer)."""
+    lm = model.lm_head.weight.detach()
+    sub = lm[token_map]                                                           # [V', D]
+    xs, idx, ps, greedy, ok = [], [], [], [], []
+    for x, ans in answer_hidden(model, rows, batch):
+        n = x.shape[0]
+        logits = model.logits(x.to(model.device)).float()                        # [n, V]
+        greedy.append(logits.argmax(-1).cpu())
+        sl = torch.log_softmax(F.linear(x.to(model.device), sub).float(), -1)    # [n, V']
+        p, i = sl.exp().topk(top_k, dim=-1)
+        idx.append(i.to(torch.int32).cpu())
+        ps.append((p / p.sum(-1, keepdim=True)).to(torch.float16).cpu())
+        xs.append(x)
+        pos = torch.arange(n)[:, None] + torch.arange(1, num_heads + 1)[None, :]  # [n, H] the target's position
+        ok.append(pos <= n - 1)
+    return dict(x=torch.cat(xs), tgt_idx=torch.cat(idx), tgt_p=torch.cat(ps), greedy=torch.cat(greedy),
+                ok=torch.cat(ok), token_map=token_map, top_k=top_k)
+
+
+def head_loss(heads, sub, cache, i, h):
+    """Soft cross-entropy of head h at positions i against the base's distribution at i + h + 1 (same answer)."""
+    w, b = heads.res_weight[h], heads.res_bias[h]
+    keep = cache["ok"][i, h]
+    i = i[keep]
+    if i.numel() == 0:
+        return None
+    x = cache["x"][i].float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        z = x + F.silu(x @ w.T + b)
+        logits = z @ sub.T                                                        # [M, V']
+    logq = torch.log_softmax(logits.float(), -1)
+    t = i + h + 1
+    p = cache["tgt_p"][t].float()
+    return -(p * logq.gather(1, cache["tgt_idx"][t].long())).sum(-1).mean()
+
+
+def train(heads, model, cache, minutes, steps=100000, batch=512, lr=2e-3, seed=0, checkpoint=None, out_dir=None,
+          resume=True):
+    """Train the heads on the cache with the shared loop (time-budgeted, resumable). Returns the steps done."""
+    sub = model.lm_head.weight.detach()[cache["token_map"]].to(torch.bfloat16)  # frozen rows, bf16 matmuls
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.nonzero(cache["ok"][:, 0])[:, 0]
+    loop = Loop(heads.parameters(), LoopConfig(steps=steps, max_minutes=minutes, lr=lr, warmup=100, log_every=25,
+                                               desc="distill", checkpoint=checkpoint),
+                state=(gen.get_state, gen.set_state))
+    if resume:
+        loop.resume()
+
+    def step_fn(step):
+        i = starts[torch.randint(0, starts.numel(), (batch,), generator=gen)]
+        out = {}
+        for h in range(heads.num_heads):
+            loss = head_loss(heads, sub, cache, i, h)
+            if loss is not None:
+                (loss / heads.num_heads).backward()              # one head's [M, V'] logits alive at a time
+                out[f"loss_head{h}"] = loss.item()
+        out["loss"] = sum(out.values()) / max(len(out), 1)
+        return out
+
+    rec = Recorder(out_dir, "train_distill") if out_dir else None
+    done = loop.run(step_fn, rec)
+    if rec:
+        rec.write()
+    return done, loop.elapsed
+
+
+@torch.no_grad()
+def head_ranks(heads, model, cache, K=8, batch=4096):
+    """ranks [N, H]: the rank of the base's greedy token t + h + 2 among head h's top-K at t (K = not found;
+    -1 = no target), scoring the draft vocabulary as decoding does."""
+    sub = model.lm_head.weight.detach()[cache["token_map"]].to(torch.bfloat16)
+    tmap = cache["token_map"]
+    N, H = cache["x"].shape[0], heads.num_heads
+    out = torch.full((N, H), -1, dtype=torch.int64)
+    w, b = heads.res_weight.detach().to(torch.bfloat16), heads.res_bias.detach().to(torch.bfloat16)
+    for s in range(0, N, batch):
+        x = cache["x"][s:s + batch].to(torch.bfloat16)
+        for h in range(H):
+            z = x + F.silu(x @ w[h].T + b[h])
+            top = tmap[(z @ sub.T).float().topk(K, dim=-1).indices]                # [n, K] token ids
+            t = torch.arange(s, s + x.shape[0]) + h + 1
+            valid = cache["ok"][s:s + x.shape[0], h]
+            want = cache["greedy"][t.clamp(max=N - 1)]
+            hit = top == want[:, None]
+            r = torch.where(hit.any(-1), hit.float().argmax(-1), K)
+            out[s:s + x.shape[0], h] = torch.where(valid, r, -1)
+    return out
+
+
+def accuracy(ranks, K=8):
+    """acc [H, K]: acc[h, r] = P(rank r of head h is the base's greedy token), over positions with a target."""
+    H = ranks.shape[1]
+    acc = torch.zeros(H, K, dtype=torch.float64)
+    for h in range(H):
+        r = ranks[:, h]
+        r = r[r >= 0]
+        for k in range(K):
+            acc[h, k] = (r == k).double().mean() if r.numel() else 0.0
+    return acc
+
+
+def simulate_tau(ranks, lengths, tree):
+    """Exact greedy tau of `tree` on held-out answers from the heads' ranks (see the module docstring, step 5).
+
+    ranks [N, H] concatenated per answer (lengths: positions per answer). At answer index j the step accepts the
+    longest tree path (m_1 .. m_d) with m_k = ranks[j, k - 1] (the rank of the true token j + k among head k-1's
+    candidates), then moves to j + accepted + 1."""
+    children = collections.defaultdict(dict)
+    for i, p in enumerate(tree.paths[1:], 1):
+        children[p[:-1]][p[-1]] = p
+    emitted = steps = 0
+    start = 0
+    for n in lengths:
+        j = 0
+        r = ranks[start:start + n].tolist()
+        while j < n - 1:
+            path, d = (), 0
+            while d < len(r[j]) and r[j][d] >= 0 and r[j][d] in children[path]:
+                path = children[path][r[j][d]]
+                d += 1
+            emitted += min(d + 1, n - 1 - j)            # drafts + bonus, but nothing past the answer's end
+            j += d + 1
+            steps += 1
+        start += n
+    return emitted / max(steps, 1)
+
+
+def lengths_of(rows):
+    return [len(r["answer_ids"]) for r in rows]
+
+
+def new_heads(model, num_heads, token_map):
+    heads = MTPHeads(num_heads, model.config.hidden_size, dtype=torch.float32)   # W_h = 0: each head = the LM head
+    heads.token_map = token_map
+    return heads
+
+
+def run(args):
+    """The `distill` subcommand: answers -> vocab -> cache -> train -> measure -> save heads (+ records)."""
+    import mtp_triton as mt
+    torch.set_num_threads(args.threads)
+    t0 = time.time()
+    model = mt.load_model(args.model, dtype=torch.bfloat16)
+    tok = mt.load_tokenizer(args.model)
+    os.makedirs(args.work, exist_ok=True)
+    prompts = read_prompts(args.prompts)
+    answers_file = os.path.join(args.work, "answers.jsonl")
+    write_answers(model, tok, prompts, answers_file, args.max_new_tokens, args.sample_share, batch=args.gen_batch)
+    t_answers = time.time() - t0
+    rows = read_answers(answers_file, {r["id"] for r in prompts})
+    token_map = draft_vocab(rows, args.vocab, always=[tok.eos_token_id])
+    cache_file = os.path.join(args.work, f"cache-v{args.vocab}-k{args.top_k}.pt")
+    if os.path.exists(cache_file):
+        cache = torch.load(cache_file, weights_only=False)
+    else:
+        cache = build_cache(model, rows, token_map, args.top_k, num_heads=args.num_heads)
+        torch.save(cache, cache_file)
+    t_cache = time.time() - t0 - t_answers
+    heads = new_heads(model, args.num_heads, token_map)
+    steps, train_s = train(heads, model, cache, args.minutes, batch=args.batch, lr=args.lr, seed=args.seed,
+                           checkpoint=os.path.join(args.work, "heads-ckpt.pt"), out_dir=args.records or args.out)
+    del cache
+    info = dict(model=args.model, prompts=args.prompts, answers=len(rows), answer_tokens=sum(lengths_of(rows)),
+                draft_vocab=len(token_map), coverage_train=coverage(rows, token_map), steps=steps,
+                seconds=dict(answers=round(t_answers, 1), cache=round(t_cache, 1), train=round(train_s, 1)),
+                config={k: v for k, v in vars(args).items() if k != "func"})
+    heads.save(args.out, recipe="distill", base=args.model, note="self-distilled on a frozen base from its own "
+               "answers; head h predicts token t + h + 2")
+    write_json(os.path.join(args.records or args.out, "train_distill.json"), info)
+    print(json.dumps({k: info[k] for k in ("answers", "answer_tokens", "draft_vocab", "coverage_train", "steps")}))
+    return info
+
+
+def add_parser(sub):
+    """Register `distill` on the train_heads command line."""
+    sp = sub.add_parser("distill", help="heads for a frozen chat model from its own answers (SmolLM2 recipe)")
+    sp.add_argument("--model", default="smollm2-135m-instruct")
+    sp.add_argument("--prompts", default=os.path.join("data", "chat", "train.jsonl"))
+    sp.add_argument("--work", default=os.path.join("runs", "smollm2"), help="answers, cache and checkpoints")
+    sp.add_argument("--out", default=os.path.join("data", "smollm2-135m-instruct-heads"))
+    sp.add_argument("--records", default=None)
+    sp.add_argument("--num-heads", type=int, default=4)
+    sp.add_argument("--vocab", type=int, default=8192, help="draft vocabulary size")
+    sp.add_argument("--top-k", type=int, default=16, help="soft targets kept per position")
+    sp.add_argument("--max-new-tokens", type=int, default=256)
+    sp.add_argument("--sample-share", type=float, default=0.4)
+    sp.add_argument("--gen-batch", type=int, default=32)
+    sp.add_argument("--minutes", type=float, default=30.0, help="training time budget")
+    sp.add_argument("--batch", type=int, default=512)
+    sp.add_argument("--lr", type=float, default=2e-3)
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--threads", type=int, default=2)
+    sp.set_defaults(func=run)
+    return sp
