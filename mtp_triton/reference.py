@@ -63,19 +63,24 @@ def topk_lower_id_first(x, k):
 
 
 def tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask, sm_scale=None, *,
-                   check_values=True):
+                   window=None, check_values=True):
     """Attention of T tree nodes over a paged cache plus the tree itself.
 
     Node i of sequence b attends to the cache_lens[b] cached tokens (all visible) and to tree node j
     where tree_mask[b, i, j] (j is i or an ancestor of i):
         out[b, i] = softmax(q_i K^T * sm_scale + mask) V,  K = [K_cache(b); K_tree(b)]
     GQA: query head h uses KV head h // (Hq // Hkv).
+    Sliding window W (None = no limit; Mistral's sliding_window): node i sits at position
+    p_i = cache_lens[b] + depth_i, depth_i = tree_mask[b, i].sum() - 1; it sees cache position j iff
+    p_i - j < W and ancestor a iff p_i - p_a < W (as transformers: q_idx sees kv_idx iff q_idx - kv_idx < W).
     q [B, T, Hq, Dh]; k_cache, v_cache [NB, BS, Hkv, Dh]; block_table [B, max_blocks] int32;
     cache_lens [B] int32; k_tree, v_tree [B, T, Hkv, Dh]; tree_mask [T, T] or [B, T, T] bool.
     returns out [B, T, Hq, Dh] in q's dtype.
     """
-    mask = _checks("tree_attention").check_tree_attention_inputs(
-        q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask, values=check_values)
+    checks = _checks("tree_attention")
+    mask = checks.check_tree_attention_inputs(
+        q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask, values=check_values, window=window)
+    window = checks.check_window(window)
     B, T, Hq, Dh = q.shape
     NB, BS, Hkv = k_cache.shape[:3]
     G = Hq // Hkv
@@ -89,9 +94,17 @@ def tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree,
     cached = torch.arange(n, device=q.device)[None, :] < cache_lens[:, None]     # [B, n] real cache slots
     k = torch.cat([k_c, k_tree], dim=1).to(acc)                                   # [B, n + T, Hkv, Dh]
     v = torch.cat([v_c, v_tree], dim=1).to(acc)
-    visible = torch.cat([cached[:, None, :].expand(B, T, n), mask], dim=2)       # [B, T, n + T]
-    keep = torch.cat([cached, torch.ones(B, T, dtype=torch.bool, device=q.device)], dim=1)  # [B, n + T]
-    v = v.masked_fill(~keep[..., None, None], 0.0)        # unused cache slots may hold anything (e.g. NaN)
+    sees_cache = cached[:, None, :].expand(B, T, n)                               # [B, T, n]
+    sees_tree = mask                                                              # [B, T, T]
+    if window is not None:
+        depth = mask.sum(-1) - 1                                                  # [B, T]
+        pos = cache_lens[:, None].long() + depth                                  # [B, T] p_i
+        j = torch.arange(n, device=q.device)
+        sees_cache = sees_cache & (pos[:, :, None] - j[None, None, :] < window)
+        sees_tree = sees_tree & (depth[:, :, None] - depth[:, None, :] < window)  # p_i - p_a = depth_i - depth_a
+    visible = torch.cat([sees_cache, sees_tree], dim=2)                           # [B, T, n + T]
+    keep = visible.any(dim=1)                             # [B, n + T] keys some node sees
+    v = v.masked_fill(~keep[..., None, None], 0.0)        # the others (unused slots, outside every window) may hold NaN
     qb = q.to(acc).view(B, T, Hkv, G, Dh)
     scores = torch.einsum("btkgd,bskd->bkgts", qb, k) * scale                     # [B, Hkv, G, T, n + T]
     scores = scores.masked_fill(~visible[:, None, None], float("-inf"))

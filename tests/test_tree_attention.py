@@ -68,6 +68,44 @@ def dense_sdpa(c, sm_scale=None):
     return out
 
 
+def brute_force(c, window=None, sm_scale=None):
+    """The definition, one node at a time in fp64: node i of sequence b sits at p_i = cache_len + depth_i
+    (depth_i = |tree_mask[b, i]| - 1) and sees cache position j iff p_i - j < window, ancestor a iff
+    p_i - p_a < window (no window: all of them)."""
+    q, kc, vc, bt, lens = c["q"], c["k_cache"], c["v_cache"], c["block_table"], c["cache_lens"]
+    B, T, Hq, Dh = q.shape
+    BS, Hkv = kc.shape[1], kc.shape[2]
+    mask = c["tree_mask"].expand(B, T, T).cpu()
+    W = float("inf") if window is None else window
+    scale = Dh ** -0.5 if sm_scale is None else sm_scale
+    out = torch.empty(B, T, Hq, Dh, dtype=torch.float64)
+    for b in range(B):
+        n = int(lens[b])
+        depth = [int(mask[b, i].sum()) - 1 for i in range(T)]
+        for i in range(T):
+            p_i = n + depth[i]
+            keys = [(kc[int(bt[b, j // BS]), j % BS], vc[int(bt[b, j // BS]), j % BS]) for j in range(n) if p_i - j < W]
+            keys += [(c["k_tree"][b, a], c["v_tree"][b, a]) for a in range(T)
+                     if mask[b, i, a] and (n + depth[i]) - (n + depth[a]) < W]
+            k = torch.stack([kv[0] for kv in keys]).double().cpu().repeat_interleave(Hq // Hkv, dim=1)  # [S, Hq, Dh]
+            v = torch.stack([kv[1] for kv in keys]).double().cpu().repeat_interleave(Hq // Hkv, dim=1)
+            p = torch.softmax(torch.einsum("hd,shd->hs", q[b, i].double().cpu(), k) * scale, dim=-1)   # [Hq, S]
+            out[b, i] = torch.einsum("hs,shd->hd", p, v)
+    return out.to(q.device)
+
+
+def poison_outside_window(c, window):
+    """NaN into every cache position no node can see (j < cache_len - window + 1, the root's reach): a kernel
+    that reads them, or lets them into its sums, returns NaN."""
+    BS = c["k_cache"].shape[1]
+    for b, n in enumerate(c["cache_lens"].tolist()):
+        for j in range(max(0, n - window + 1)):
+            blk = int(c["block_table"][b, j // BS])
+            c["k_cache"][blk, j % BS] = float("nan")
+            c["v_cache"][blk, j % BS] = float("nan")
+    return c
+
+
 @pytest.fixture
 def nan_alloc(monkeypatch):
     """Make torch.empty / empty_like return NaN-filled float tensors while the test runs."""
@@ -143,6 +181,134 @@ def test_prefill_causal(block_m, block_n, nan_alloc):
     out = _tree_attention(**c, block_m=block_m, block_n=block_n)
     assert_close(out, reference.tree_attention(**c), 2e-5, 2e-5, "prefill")
     assert_close(out, dense_sdpa(c), 2e-5, 2e-5, "prefill vs SDPA")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# sliding window (Mistral): p_i - j < W for cache positions, p_i - p_a < W for ancestors
+# ---------------------------------------------------------------------------------------------------------
+# (id, window, cache_lens, tree, Hq, Hkv, Dh, BS, dtype, block_m, block_n, num_splits)
+WINDOW_CASES = [
+    ("W1-B4-bushy9-GQA3-Dh24-BS16", 1, [0, 5, 37, 64], BUSHY, 6, 2, 24, 16, torch.float32, None, None, None),
+    ("W2-B2-chain4-MHA4-Dh16-BS8", 2, [3, 40], Tree.chain(4), 4, 4, 16, 8, torch.float32, None, None, None),
+    ("W7-B4-bushy9-GQA3-Dh24-BS16-M16-N16-split3", 7, [0, 5, 37, 64], BUSHY, 6, 2, 24, 16, torch.float32,
+     16, 16, 3),
+    ("W7-B5-T1-GQA4-Dh16-BS16", 7, [0, 6, 7, 8, 50], Tree.root_only(), 4, 1, 16, 16, torch.float32,
+     None, None, None),
+    ("W16-B2-chain4-GQA2-Dh20-BS16-N16-split2", 16, [33, 1], Tree.chain(4), 4, 2, 20, 16, torch.float32,
+     None, 16, 2),
+    ("W1000-B2-bushy9-GQA3-Dh80-BS16-fp16", 1000, [19, 0], BUSHY, 3, 1, 80, 16, torch.float16, None, None, None),
+    ("W5-B2-chain2-GQA2-Dh24-BS32-bf16", 5, [40, 9], Tree.chain(2), 4, 2, 24, 32, torch.bfloat16, None, None, None),
+]
+
+
+@pytest.mark.parametrize("window,cache_lens,tree,Hq,Hkv,Dh,BS,dtype,block_m,block_n,num_splits",
+                         [c[1:] for c in WINDOW_CASES], ids=[c[0] for c in WINDOW_CASES])
+def test_window_matches_reference_and_brute_force(window, cache_lens, tree, Hq, Hkv, Dh, BS, dtype, block_m,
+                                                  block_n, num_splits, nan_alloc):
+    """Every cache position outside all windows is NaN: the kernel must neither read it nor let it in."""
+    c = poison_outside_window(make_case(cache_lens, tree, Hq, Hkv, Dh, BS, dtype), window)
+    out = _tree_attention(**c, window=window, num_splits=num_splits, block_m=block_m, block_n=block_n)
+    atol, rtol = TOL[dtype]
+    assert out.dtype == dtype
+    assert_close(out, reference.tree_attention(**c, window=window), atol, rtol, "kernel vs reference")
+    assert_close(out, brute_force(c, window), atol, rtol, "kernel vs brute force")
+    assert_close(reference.tree_attention(**c, window=window).double(), brute_force(c, window),
+                 *TOL[dtype], "reference vs brute force")
+    if tree.size > 1:   # the public entry point (default tiles and splits) on the same case
+        assert_close(tree_attention(**c, window=window), brute_force(c, window), atol, rtol, "tree_attention")
+
+
+def test_window_per_sequence_masks_and_sm_scale(nan_alloc):
+    chain, star = Tree.chain(4).mask, Tree.from_choices([(0,), (1,), (2,), (3,)]).mask      # both T = 5
+    c = poison_outside_window(make_case([12, 35], None, 4, 2, 16, 16, per_seq_masks=[chain, star]), 3)
+    out = tree_attention(**c, sm_scale=0.3, window=3)
+    assert_close(out, reference.tree_attention(**c, sm_scale=0.3, window=3), 2e-5, 2e-5, "reference")
+    assert_close(out, brute_force(c, 3, sm_scale=0.3), 2e-5, 2e-5, "brute force")
+
+
+@pytest.mark.parametrize("window,block_m,block_n", [(7, 16, 16), (16, 32, 16), (40, None, None), (1, None, None)],
+                         ids=["W7-M16-N16", "W16-M32-N16", "W40-default-tiles", "W1-default-tiles"])
+def test_window_prefill_causal(window, block_m, block_n, nan_alloc):
+    """The engine's prefill: no cache, two prompts (45 and 20 tokens, the short one padded with nodes that see
+    only themselves, as generate.prefill builds it), a causal window; query tiles past the first skip the
+    tree tiles that lie wholly before their window."""
+    T, lens = 45, [45, 20]
+    idx = torch.arange(T)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    masks = [(causal & (idx[None, :] < n) & (idx[:, None] < n)) | torch.eye(T, dtype=torch.bool) for n in lens]
+    c = make_case([0, 0], None, 3, 1, 16, 16, per_seq_masks=masks)
+    out = _tree_attention(**c, window=window, block_m=block_m, block_n=block_n)
+    assert_close(out, reference.tree_attention(**c, window=window), 2e-5, 2e-5, "prefill vs reference")
+    assert_close(out, brute_force(c, window), 2e-5, 2e-5, "prefill vs brute force")
+
+
+def _record_interpreter(monkeypatch):
+    """Record, under the interpreter, every address a masked load reads and the number of tl.dot calls."""
+    interp = pytest.importorskip("triton.runtime.interpreter")
+    builder = getattr(interp, "InterpreterBuilder", None)
+    if DEVICE != "cpu" or not all(hasattr(builder, f) for f in ("create_masked_load", "create_dot")):
+        pytest.skip("needs Triton's interpreter (InterpreterBuilder.create_masked_load / create_dot)")
+    seen = dict(addresses=[], dots=0)
+    load, dot = builder.create_masked_load, builder.create_dot
+
+    def masked_load(self, ptrs, mask, *a, **k):
+        seen["addresses"].append(ptrs.data[mask.data].ravel().copy())
+        return load(self, ptrs, mask, *a, **k)
+
+    def count_dot(self, *a, **k):
+        seen["dots"] += 1
+        return dot(self, *a, **k)
+
+    monkeypatch.setattr(builder, "create_masked_load", masked_load)
+    monkeypatch.setattr(builder, "create_dot", count_dot)
+    return seen
+
+
+def test_window_skips_tiles_outside_every_window(monkeypatch):
+    """300 cached tokens, window 8, 16-key tiles: the kernel must load only positions some node can see
+    (>= cache_len - W + 1) and run only the tiles that hold them, not loop over the other ~18 masked."""
+    W, BN, lens = 8, 16, [300, 3]
+    c = make_case(lens, Tree.chain(2), 2, 1, 16, 16)
+    seen = _record_interpreter(monkeypatch)
+    _tree_attention(**c, window=W, block_n=BN, num_splits=1)
+    loaded = torch.from_numpy(__import__("numpy").concatenate(seen["addresses"]).astype("int64"))
+    monkeypatch.undo()
+    k = c["k_cache"]
+    row = k[0, 0].numel() * k.element_size()                            # bytes per (block, slot)
+    rel = loaded - k.data_ptr()
+    slots = rel[(rel >= 0) & (rel < k.numel() * k.element_size())] // row        # block * BS + slot
+    owner = {int(blk) * 16 + s: (b, j * 16 + s) for b in range(2) for j, blk in enumerate(c["block_table"][b])
+             for s in range(16)}
+    pos = {owner[int(x)] for x in slots.unique()}
+    want = {(b, j) for b, n in enumerate(lens) for j in range(max(0, n - W + 1), n)}
+    assert pos == want, f"cache positions loaded {sorted(pos - want)[:5]} beyond, {sorted(want - pos)[:5]} missing"
+    # programs: B * Hkv = 2, one query tile each; sequence 0: 300 - 8 + 1 = 293 -> tiles 288.. (1 tile) + 1 tree
+    # tile, sequence 1: 1 cache tile + 1 tree tile; 2 dots per tile (QK^T, PV)
+    assert seen["dots"] == 2 * (2 + 2), seen["dots"]
+
+
+def test_window_larger_than_context_is_no_window():
+    c = make_case([0, 21, 50], BUSHY, 4, 2, 16, 16)
+    for fn in (tree_attention, reference.tree_attention):
+        assert torch.equal(fn(**c, window=50 + BUSHY.size), fn(**c)), fn.__module__
+
+
+NOT_ANCESTOR = torch.tensor([[1, 0, 0], [1, 1, 0], [0, 1, 1]], dtype=torch.bool)   # node 2 sees 1 but not 0
+BAD_WINDOW = {"zero": (0, ValueError, ">= 1"), "negative": (-3, ValueError, ">= 1"),
+              "float": (2.5, TypeError, "int"), "bool": (True, TypeError, "int"),
+              "not-ancestor-mask": (4, ValueError, "ancestor mask")}
+
+
+@pytest.mark.parametrize("fn", [tree_attention, reference.tree_attention], ids=["triton", "reference"])
+@pytest.mark.parametrize("name", list(BAD_WINDOW))
+def test_bad_window(name, fn):
+    window, exc, match = BAD_WINDOW[name]
+    c = make_case([3, 20], Tree.chain(2), 4, 2, 16, 16)
+    if name == "not-ancestor-mask":
+        c["tree_mask"] = NOT_ANCESTOR.to(DEVICE)
+        fn(**c)                                         # without a window any reflexive lower-triangular mask is fine
+    with pytest.raises(exc, match=match):
+        fn(**c, window=window)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -20,6 +20,16 @@ slot n % BS), then the tree keys under the ancestor mask, with an online softmax
 Tree keys past the tile's last node are skipped (the mask is lower-triangular), so the same kernel
 serves prefill (cache_len 0, a causal mask over hundreds of nodes).
 
+Sliding window (Mistral, Jiang et al. 2023; `sliding_window` in transformers): node i sits at position
+p_i = cache_len + depth_i, with depth_i = (number of True in tree_mask[b, i]) - 1. With a window W it sees
+cache position j only if p_i - j < W, and an ancestor a only if p_i - p_a < W (transformers: query q_idx
+sees kv_idx iff q_idx - kv_idx < sliding_window). The kernel first counts the depths of its rows (one pass
+over their mask rows), then streams only the cache tiles that hold a position some row can see
+(p >= cache_len + min depth - W + 1): older tiles are never read, and the split-KV chunks cover only that
+range. Tree keys are walked from the last tile back, counting per row the visible nodes already passed:
+for an ancestor mask that count is exactly depth_i - depth_a, so keys with count >= W are masked, and
+key tiles below min depth - W + 1 (a node's depth is at most its index) are skipped.
+
 Split-KV (flash-decoding, Dao et al. 2023): with few programs (batch 1, a handful of KV heads) the cache
 of every sequence is cut into NUM_SPLITS chunks handled by separate programs; each writes its normalised
 partial output and log-sum-exp, and `_combine_splits_kernel` merges them:
@@ -44,21 +54,36 @@ Example:
     torch.Size([2, 3, 4, 16])
 """
 import functools
+import numbers
 
 import torch
 import triton
 import triton.language as tl
 
 
+def check_window(window):
+    """window: None (no limit) or an int >= 1 (a Python or NumPy integer; bool is refused). Returns it as int."""
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, numbers.Integral):
+        raise TypeError(f"tree_attention: window must be None or an int >= 1, got {type(window).__name__}")
+    if window < 1:
+        raise ValueError(f"tree_attention: window must be >= 1 (or None for no limit), got {window}")
+    return int(window)
+
+
 def check_tree_attention_inputs(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask,
-                                values=True):
+                                values=True, window=None):
     """Validate ``tree_attention`` arguments (shapes, dtypes, devices, and the mask/table values).
 
     q [B, T, Hq, Dh]; k_cache, v_cache [NB, BS, Hkv, Dh]; block_table [B, max_blocks] int32;
-    cache_lens [B] int32; k_tree, v_tree [B, T, Hkv, Dh]; tree_mask [T, T] or [B, T, T] bool.
-    The block table must hold room for cache_lens + T tokens (the step appends up to T).
+    cache_lens [B] int32; k_tree, v_tree [B, T, Hkv, Dh]; tree_mask [T, T] or [B, T, T] bool;
+    window None or an int >= 1 (always checked). The block table must hold room for cache_lens + T tokens
+    (the step appends up to T). With a window the mask must also be an ancestor mask (row i = the row of
+    its parent, the last earlier node it sees, plus i itself): the kernel's window on tree keys relies on it.
     Returns the mask expanded to [B, T, T].
     """
+    check_window(window)
     named = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, cache_lens=cache_lens,
                  k_tree=k_tree, v_tree=v_tree, tree_mask=tree_mask)
     for name, t in named.items():
@@ -107,6 +132,9 @@ def check_tree_attention_inputs(q, k_cache, v_cache, block_table, cache_lens, k_
         raise ValueError("tree_attention: tree_mask must be reflexive (every node sees itself)")
     if bool(mask.triu(1).any()):
         raise ValueError("tree_attention: tree_mask must be lower-triangular (a node sees only earlier nodes)")
+    if window is not None and not bool(_is_ancestor_mask(mask)):
+        raise ValueError("tree_attention: with a window, tree_mask must be an ancestor mask (each row = the row "
+                         "of its parent, the last earlier node it sees, plus the node itself)")
     if bool((cache_lens < 0).any()):
         raise ValueError("tree_attention: cache_lens must be >= 0")
     if int((cache_lens.long() + T).max()) > block_table.shape[1] * BS:
@@ -118,6 +146,22 @@ def check_tree_attention_inputs(q, k_cache, v_cache, block_table, cache_lens, k_
     if used.numel() and (int(used.min()) < 0 or int(used.max()) >= NB):
         raise ValueError(f"tree_attention: block_table entries in use must be in [0, {NB})")
     return mask
+
+
+def _is_ancestor_mask(mask):
+    """Is the [B, T, T] reflexive lower-triangular mask the ancestor mask of a forest? (a 0-dim bool tensor)
+
+    parent(i) = the last j < i with mask[b, i, j] (none: i is a root). The mask is an ancestor mask iff every
+    row is its parent's row plus the node itself (by induction over i: the parent's row is already its
+    ancestor set). One gather, O(B T^2).
+    """
+    B, T, _ = mask.shape
+    idx = torch.arange(T, device=mask.device)
+    strict = mask & (idx[None, :] < idx[:, None])                                  # [B, T, T] j < i
+    parent = (strict * (idx + 1)).amax(-1) - 1                                     # [B, T], -1 = root
+    rows = mask.gather(1, parent.clamp(min=0)[..., None].expand(B, T, T))           # [B, T, T] parent's row
+    expected = (rows & (parent >= 0)[..., None]) | torch.eye(T, dtype=torch.bool, device=mask.device)
+    return (mask == expected).all()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -138,18 +182,18 @@ def _online_softmax_update(acc, m_i, l_i, s, v, INPUT_PRECISION: tl.constexpr):
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])
 def _tree_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, cache_lens_ptr, k_tree_ptr, v_tree_ptr, mask_ptr,
     out_ptr, part_ptr, lse_ptr,
-    T, Hq, Hkv, Dh, max_blocks, qk_scale,
+    T, Hq, Hkv, Dh, max_blocks, qk_scale, window,
     stride_qb, stride_qt, stride_qh,            # q / out [B, T, Hq, Dh] (last stride 1)
     stride_cn, stride_cs, stride_ch,            # k_cache / v_cache [NB, BS, Hkv, Dh]
     stride_tb, stride_tt, stride_th,            # k_tree / v_tree [B, T, Hkv, Dh]
     stride_mb,                                  # tree mask [B or 1, T, T] as bytes (0 when shared)
     G: tl.constexpr, BS: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    COMPUTE_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_WINDOW: tl.constexpr,
 ):
     pid_m = tl.program_id(0)                    # query tile over the G * T rows of one KV head
     pid_bh = tl.program_id(1).to(tl.int64)      # (sequence, KV head)
@@ -172,36 +216,71 @@ def _tree_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    # ---- 1. the paged cache: every cached token is visible to every node --------------------------------
+    last_node = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // G, T - 1)
     n_cached = tl.load(cache_lens_ptr + b)
-    chunk = tl.cdiv(tl.cdiv(n_cached, NUM_SPLITS), BLOCK_N) * BLOCK_N     # this sequence's split size
-    start = pid_s * chunk
+    mask_row = mask_ptr + b * stride_mb + t[:, None] * T                  # [M, 1] this row's mask row
+
+    # ---- 0. sliding window: the depth of each row's node, and the oldest cache tile any row can see --------
+    lo = 0                                                                # first cache position read
+    tree_lo = 0                                                           # first tree key read
+    if USE_WINDOW:
+        n_seen = tl.zeros([BLOCK_M], tl.int32)
+        for start_j in range(0, last_node + 1, BLOCK_N):                  # lower-triangular: j <= t
+            j = start_j + tl.arange(0, BLOCK_N)
+            seen = tl.load(mask_row + j[None, :], mask=row_ok[:, None] & (j[None, :] < T), other=0) != 0
+            n_seen += tl.sum(seen.to(tl.int32), axis=1)
+        depth = n_seen - 1                                                # [M] depth_i = |mask row| - 1
+        pos_i = n_cached + depth                                          # [M] position of each row's node
+        min_depth = tl.min(tl.where(row_ok, depth, T), axis=0)
+        # row i sees cache positions >= pos_i - W + 1; the shallowest row reaches back furthest
+        lo_seen = tl.maximum(n_cached + min_depth - window + 1, 0)
+        lo = lo_seen // BLOCK_N * BLOCK_N
+        # an ancestor a is visible only if depth_a > depth_i - W, and depth_a <= a
+        tree_lo = tl.maximum(min_depth - window + 1, 0) // BLOCK_N * BLOCK_N
+
+    # ---- 1. the paged cache [lo, n_cached): all of it visible to every node, or the window's part ---------
+    span = tl.maximum(n_cached - lo, 0)
+    chunk = tl.cdiv(tl.cdiv(span, NUM_SPLITS), BLOCK_N) * BLOCK_N        # this sequence's split size
+    start = lo + pid_s * chunk
     end = tl.minimum(start + chunk, n_cached)
     for start_n in range(start, end, BLOCK_N):
         pos = start_n + tl.arange(0, BLOCK_N)                             # [N] token positions
         pos_ok = pos < end
+        if USE_WINDOW:
+            pos_ok = pos_ok & (pos >= lo_seen)                            # older positions: not even loaded
         blk = tl.load(block_table_ptr + b * max_blocks + pos // BS, mask=pos_ok, other=0).to(tl.int64)
         kv_off = blk * stride_cn + (pos % BS) * stride_cs + kvh * stride_ch          # [N]
         kv_mask = pos_ok[:, None] & d_ok[None, :]
         k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
         v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale        # [M, N]
-        s = tl.where(pos_ok[None, :], s, float("-inf"))
+        vis = pos_ok[None, :]
+        if USE_WINDOW:
+            vis = vis & (pos_i[:, None] - pos[None, :] < window)                       # [M, N]
+        s = tl.where(vis, s, float("-inf"))
         acc, m_i, l_i = _online_softmax_update(acc, m_i, l_i, s, v, INPUT_PRECISION)
 
-    # ---- 2. the tree, under the ancestor mask (last split only) ------------------------------------------
-    # the mask is lower-triangular, so keys after the tile's last node are never visible: stop there
-    last_node = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // G, T - 1)
+    # ---- 2. the tree, under the ancestor mask (last split only), from the last key tile back --------------
+    # the mask is lower-triangular, so keys after the tile's last node are never visible: start there
     tree_end = tl.where(pid_s == NUM_SPLITS - 1, last_node + 1, 0)
-    for start_j in range(0, tree_end, BLOCK_N):
+    n_tiles = tl.cdiv(tl.maximum(tree_end - tree_lo, 0), BLOCK_N)
+    n_later = tl.zeros([BLOCK_M], tl.int32)                              # visible nodes after this tile
+    for k_tile in range(0, n_tiles):
+        start_j = tree_lo + (n_tiles - 1 - k_tile) * BLOCK_N
         j = start_j + tl.arange(0, BLOCK_N)                               # [N] tree nodes
         j_ok = j < T
         kv_off = b * stride_tb + j.to(tl.int64) * stride_tt + kvh * stride_th
         kv_mask = j_ok[:, None] & d_ok[None, :]
         k = tl.load(k_tree_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
         v = tl.load(v_tree_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
-        vis = tl.load(mask_ptr + b * stride_mb + t[:, None] * T + j[None, :],
-                      mask=row_ok[:, None] & j_ok[None, :], other=0) != 0               # [M, N]
+        vis = tl.load(mask_row + j[None, :], mask=row_ok[:, None] & j_ok[None, :], other=0) != 0   # [M, N]
+        if USE_WINDOW:
+            # for an ancestor mask, depth_i - depth_a = number of visible nodes of row i after a
+            v32 = vis.to(tl.int32)
+            n_tile = tl.sum(v32, axis=1)                                  # [M]
+            after = n_later[:, None] + n_tile[:, None] - tl.cumsum(v32, axis=1)        # [M, N]
+            vis = vis & (after < window)
+            n_later += n_tile
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
         s = tl.where(vis, s, float("-inf"))
         acc, m_i, l_i = _online_softmax_update(acc, m_i, l_i, s, v, INPUT_PRECISION)
@@ -268,10 +347,11 @@ def _pick_num_splits(programs, max_cache_len, device):
 
 
 def _tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask, sm_scale=None,
-                    num_splits=None, block_m=None, block_n=None, check_values=True):
+                    num_splits=None, block_m=None, block_n=None, check_values=True, window=None):
     """`tree_attention` with the tuning knobs exposed (tests force split-KV and small tiles through these)."""
     check_tree_attention_inputs(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask,
-                                values=check_values)
+                                values=check_values, window=window)
+    window = check_window(window)
     if q.dtype not in _COMPUTE:
         raise TypeError(f"tree_attention (Triton): dtype {q.dtype} is not supported; use fp32, fp16 or bf16 "
                         "(mtp_triton.reference.tree_attention handles fp64)")
@@ -292,8 +372,11 @@ def _tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree
     num_m = triton.cdiv(G * T, block_m)
     if num_splits is None:
         # sized by the block table's capacity (an upper bound on every cache_len, known without a host
-        # sync); splits past a sequence's cache_len hold only the tree and cost one tile each
-        num_splits = _pick_num_splits(num_m * B * Hkv, block_table.shape[1] * BS, q.device)
+        # sync), or by the window when it is shorter; splits past a sequence's range hold only the tree
+        capacity = block_table.shape[1] * BS
+        if window is not None:
+            capacity = min(capacity, window + block_n)      # + one tile: the range starts tile-aligned
+        num_splits = _pick_num_splits(num_m * B * Hkv, capacity, q.device)
     if num_splits < 1:
         raise ValueError(f"tree_attention: num_splits must be >= 1, got {num_splits}")
 
@@ -314,12 +397,13 @@ def _tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree
     _tree_attention_kernel[grid](
         q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, mask, out, part, lse,
         T, Hq, Hkv, Dh, block_table.shape[1], scale * 1.4426950408889634,       # log2(e): softmax in base 2
+        window or 0,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         k_tree.stride(0), k_tree.stride(1), k_tree.stride(2),
         stride_mb,
         G=G, BS=BS, NUM_SPLITS=num_splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        COMPUTE_DTYPE=compute, INPUT_PRECISION=precision,
+        COMPUTE_DTYPE=compute, INPUT_PRECISION=precision, USE_WINDOW=window is not None,
         num_warps=4, num_stages=2,
     )
     if num_splits > 1:
@@ -330,7 +414,7 @@ def _tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree
 
 
 def tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask, sm_scale=None, *,
-                   check_values=True):
+                   window=None, check_values=True):
     """Attention of T tree nodes over a paged cache plus the tree itself (Triton).
 
     out[b, i] = softmax(q_i [K_cache(b); K_tree(b)]^T * sm_scale, tree nodes masked by tree_mask[b, i]) V
@@ -338,6 +422,11 @@ def tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree,
     int32; cache_lens [B] int32 (0 allowed); k_tree, v_tree [B, T, Hkv, Dh]; tree_mask [T, T] or [B, T, T]
     bool (reflexive, lower-triangular: node i sees itself and its ancestors); sm_scale defaults to Dh ** -0.5.
     GQA: query head h uses KV head h // (Hq // Hkv). Returns out [B, T, Hq, Dh] in q's dtype.
+    window: None (every cached token visible) or W >= 1 (Mistral's sliding_window): node i at position
+    p_i = cache_lens[b] + depth_i (depth_i = tree_mask[b, i].sum() - 1) sees cache position j iff p_i - j < W
+    and an ancestor a iff p_i - p_a < W; cache tiles outside every row's window are not read. With a window
+    the mask must be an ancestor mask (checked with the values): the kernel counts depth_i - depth_a as the
+    visible nodes of row i after a, which is the same thing only for an ancestor mask.
     fp32 / fp16 / bf16; fp64 raises TypeError. Same inputs are rejected as by the reference.
     The split-KV count is chosen from the grid size and the block table's capacity (no host sync).
     check_values=False skips the checks that read tensor values (mask structure, cache lengths, block ids:
@@ -345,4 +434,4 @@ def tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree,
     themselves (the engine's hot loop).
     """
     return _tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask, sm_scale,
-                           check_values=check_values)
+                           check_values=check_values, window=window)
