@@ -22,13 +22,12 @@ serves prefill (cache_len 0, a causal mask over hundreds of nodes).
 
 Sliding window (Mistral, Jiang et al. 2023; `sliding_window` in transformers): node i sits at position
 p_i = cache_len + depth_i, with depth_i = (number of True in tree_mask[b, i]) - 1. With a window W it sees
-cache position j only if p_i - j < W, and an ancestor a only if p_i - p_a < W (transformers: query q_idx
-sees kv_idx iff q_idx - kv_idx < sliding_window). The kernel first counts the depths of its rows (one pass
-over their mask rows), then streams only the cache tiles that hold a position some row can see
-(p >= cache_len + min depth - W + 1): older tiles are never read, and the split-KV chunks cover only that
-range. Tree keys are walked from the last tile back, counting per row the visible nodes already passed:
-for an ancestor mask that count is exactly depth_i - depth_a, so keys with count >= W are masked, and
-key tiles below min depth - W + 1 (a node's depth is at most its index) are skipped.
+cache position j only if p_i - j < W, and tree node a only if p_i - p_a < W (transformers: query q_idx
+sees kv_idx iff q_idx - kv_idx < sliding_window). The launcher counts the mask rows once (one reduction
+on the device); each program reads its rows' depths and streams only the cache tiles that hold a position
+some row can see (p >= cache_len + min depth - W + 1): older tiles are never read, and the split-KV
+chunks cover only that range. Tree keys a with depth_a <= min depth - W are never visible, and
+depth_a <= a, so key tiles before min depth - W + 1 are skipped too.
 
 Split-KV (flash-decoding, Dao et al. 2023): with few programs (batch 1, a handful of KV heads) the cache
 of every sequence is cut into NUM_SPLITS chunks handled by separate programs; each writes its normalised
@@ -79,8 +78,7 @@ def check_tree_attention_inputs(q, k_cache, v_cache, block_table, cache_lens, k_
     q [B, T, Hq, Dh]; k_cache, v_cache [NB, BS, Hkv, Dh]; block_table [B, max_blocks] int32;
     cache_lens [B] int32; k_tree, v_tree [B, T, Hkv, Dh]; tree_mask [T, T] or [B, T, T] bool;
     window None or an int >= 1 (always checked). The block table must hold room for cache_lens + T tokens
-    (the step appends up to T). With a window the mask must also be an ancestor mask (row i = the row of
-    its parent, the last earlier node it sees, plus i itself): the kernel's window on tree keys relies on it.
+    (the step appends up to T).
     Returns the mask expanded to [B, T, T].
     """
     check_window(window)
@@ -132,9 +130,6 @@ def check_tree_attention_inputs(q, k_cache, v_cache, block_table, cache_lens, k_
         raise ValueError("tree_attention: tree_mask must be reflexive (every node sees itself)")
     if bool(mask.triu(1).any()):
         raise ValueError("tree_attention: tree_mask must be lower-triangular (a node sees only earlier nodes)")
-    if window is not None and not bool(_is_ancestor_mask(mask)):
-        raise ValueError("tree_attention: with a window, tree_mask must be an ancestor mask (each row = the row "
-                         "of its parent, the last earlier node it sees, plus the node itself)")
     if bool((cache_lens < 0).any()):
         raise ValueError("tree_attention: cache_lens must be >= 0")
     if int((cache_lens.long() + T).max()) > block_table.shape[1] * BS:
@@ -146,22 +141,6 @@ def check_tree_attention_inputs(q, k_cache, v_cache, block_table, cache_lens, k_
     if used.numel() and (int(used.min()) < 0 or int(used.max()) >= NB):
         raise ValueError(f"tree_attention: block_table entries in use must be in [0, {NB})")
     return mask
-
-
-def _is_ancestor_mask(mask):
-    """Is the [B, T, T] reflexive lower-triangular mask the ancestor mask of a forest? (a 0-dim bool tensor)
-
-    parent(i) = the last j < i with mask[b, i, j] (none: i is a root). The mask is an ancestor mask iff every
-    row is its parent's row plus the node itself (by induction over i: the parent's row is already its
-    ancestor set). One gather, O(B T^2).
-    """
-    B, T, _ = mask.shape
-    idx = torch.arange(T, device=mask.device)
-    strict = mask & (idx[None, :] < idx[:, None])                                  # [B, T, T] j < i
-    parent = (strict * (idx + 1)).amax(-1) - 1                                     # [B, T], -1 = root
-    rows = mask.gather(1, parent.clamp(min=0)[..., None].expand(B, T, T))           # [B, T, T] parent's row
-    expected = (rows & (parent >= 0)[..., None]) | torch.eye(T, dtype=torch.bool, device=mask.device)
-    return (mask == expected).all()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -182,15 +161,16 @@ def _online_softmax_update(acc, m_i, l_i, s, v, INPUT_PRECISION: tl.constexpr):
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=["window"])
+@triton.jit(do_not_specialize=["window", "stride_cb"])
 def _tree_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, cache_lens_ptr, k_tree_ptr, v_tree_ptr, mask_ptr,
+    count_ptr,                                  # [B or 1, T] int32 |tree_mask row| = depth + 1 (window only)
     out_ptr, part_ptr, lse_ptr,
     T, Hq, Hkv, Dh, max_blocks, qk_scale, window,
     stride_qb, stride_qt, stride_qh,            # q / out [B, T, Hq, Dh] (last stride 1)
     stride_cn, stride_cs, stride_ch,            # k_cache / v_cache [NB, BS, Hkv, Dh]
     stride_tb, stride_tt, stride_th,            # k_tree / v_tree [B, T, Hkv, Dh]
-    stride_mb,                                  # tree mask [B or 1, T, T] as bytes (0 when shared)
+    stride_mb, stride_cb,                       # tree mask [B or 1, T, T] as bytes, counts (0 when shared)
     G: tl.constexpr, BS: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     COMPUTE_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_WINDOW: tl.constexpr,
@@ -224,18 +204,14 @@ def _tree_attention_kernel(
     lo = 0                                                                # first cache position read
     tree_lo = 0                                                           # first tree key read
     if USE_WINDOW:
-        n_seen = tl.zeros([BLOCK_M], tl.int32)
-        for start_j in range(0, last_node + 1, BLOCK_N):                  # lower-triangular: j <= t
-            j = start_j + tl.arange(0, BLOCK_N)
-            seen = tl.load(mask_row + j[None, :], mask=row_ok[:, None] & (j[None, :] < T), other=0) != 0
-            n_seen += tl.sum(seen.to(tl.int32), axis=1)
-        depth = n_seen - 1                                                # [M] depth_i = |mask row| - 1
+        depth = tl.load(count_ptr + b * stride_cb + t, mask=row_ok, other=1) - 1      # [M] |mask row| - 1
         pos_i = n_cached + depth                                          # [M] position of each row's node
         min_depth = tl.min(tl.where(row_ok, depth, T), axis=0)
         # row i sees cache positions >= pos_i - W + 1; the shallowest row reaches back furthest
         lo_seen = tl.maximum(n_cached + min_depth - window + 1, 0)
         lo = lo_seen // BLOCK_N * BLOCK_N
-        # an ancestor a is visible only if depth_a > depth_i - W, and depth_a <= a
+        # tree key a is visible only if depth_a > depth_i - W, and depth_a <= a (a lower-triangular row a
+        # holds at most a + 1 nodes): keys before min depth - W + 1 are never visible
         tree_lo = tl.maximum(min_depth - window + 1, 0) // BLOCK_N * BLOCK_N
 
     # ---- 1. the paged cache [lo, n_cached): all of it visible to every node, or the window's part ---------
@@ -260,13 +236,10 @@ def _tree_attention_kernel(
         s = tl.where(vis, s, float("-inf"))
         acc, m_i, l_i = _online_softmax_update(acc, m_i, l_i, s, v, INPUT_PRECISION)
 
-    # ---- 2. the tree, under the ancestor mask (last split only), from the last key tile back --------------
-    # the mask is lower-triangular, so keys after the tile's last node are never visible: start there
+    # ---- 2. the tree, under the ancestor mask (last split only) ------------------------------------------
+    # the mask is lower-triangular, so keys after the tile's last node are never visible: stop there
     tree_end = tl.where(pid_s == NUM_SPLITS - 1, last_node + 1, 0)
-    n_tiles = tl.cdiv(tl.maximum(tree_end - tree_lo, 0), BLOCK_N)
-    n_later = tl.zeros([BLOCK_M], tl.int32)                              # visible nodes after this tile
-    for k_tile in range(0, n_tiles):
-        start_j = tree_lo + (n_tiles - 1 - k_tile) * BLOCK_N
+    for start_j in range(tree_lo, tree_end, BLOCK_N):
         j = start_j + tl.arange(0, BLOCK_N)                               # [N] tree nodes
         j_ok = j < T
         kv_off = b * stride_tb + j.to(tl.int64) * stride_tt + kvh * stride_th
@@ -275,12 +248,8 @@ def _tree_attention_kernel(
         v = tl.load(v_tree_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
         vis = tl.load(mask_row + j[None, :], mask=row_ok[:, None] & j_ok[None, :], other=0) != 0   # [M, N]
         if USE_WINDOW:
-            # for an ancestor mask, depth_i - depth_a = number of visible nodes of row i after a
-            v32 = vis.to(tl.int32)
-            n_tile = tl.sum(v32, axis=1)                                  # [M]
-            after = n_later[:, None] + n_tile[:, None] - tl.cumsum(v32, axis=1)        # [M, N]
-            vis = vis & (after < window)
-            n_later += n_tile
+            depth_j = tl.load(count_ptr + b * stride_cb + j, mask=j_ok, other=1) - 1  # [N] key depths
+            vis = vis & (depth[:, None] - depth_j[None, :] < window)          # p_i - p_a < W
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
         s = tl.where(vis, s, float("-inf"))
         acc, m_i, l_i = _online_softmax_update(acc, m_i, l_i, s, v, INPUT_PRECISION)
@@ -383,6 +352,10 @@ def _tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree
     # the mask as bytes, [T, T] shared by the batch (batch stride 0) or [B, T, T]
     mask = tree_mask.contiguous().view(torch.uint8)
     stride_mb = 0 if mask.dim() == 2 else T * T
+    # with a window: depth + 1 of every node, one reduction on the device (no sync; the kernel would
+    # otherwise re-count every key's mask row in every program)
+    counts = tree_mask.sum(-1, dtype=torch.int32) if window is not None else cache_lens   # [B or 1, T]
+    stride_cb = 0 if mask.dim() == 2 else T
     # fp32 inputs: exact fp32 dots (tf32 would cost ~1e-3 relative error); interpreter: fp32 (bf16 math broken)
     compute = tl.float32 if interp else _COMPUTE[q.dtype]
     precision = "ieee" if compute == tl.float32 else "tf32"
@@ -395,13 +368,13 @@ def _tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree
         part = lse = out                        # unused
     grid = (num_m, B * Hkv, num_splits)
     _tree_attention_kernel[grid](
-        q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, mask, out, part, lse,
+        q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, mask, counts, out, part, lse,
         T, Hq, Hkv, Dh, block_table.shape[1], scale * 1.4426950408889634,       # log2(e): softmax in base 2
         window or 0,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         k_tree.stride(0), k_tree.stride(1), k_tree.stride(2),
-        stride_mb,
+        stride_mb, stride_cb,
         G=G, BS=BS, NUM_SPLITS=num_splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         COMPUTE_DTYPE=compute, INPUT_PRECISION=precision, USE_WINDOW=window is not None,
         num_warps=4, num_stages=2,
@@ -424,9 +397,7 @@ def tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree,
     GQA: query head h uses KV head h // (Hq // Hkv). Returns out [B, T, Hq, Dh] in q's dtype.
     window: None (every cached token visible) or W >= 1 (Mistral's sliding_window): node i at position
     p_i = cache_lens[b] + depth_i (depth_i = tree_mask[b, i].sum() - 1) sees cache position j iff p_i - j < W
-    and an ancestor a iff p_i - p_a < W; cache tiles outside every row's window are not read. With a window
-    the mask must be an ancestor mask (checked with the values): the kernel counts depth_i - depth_a as the
-    visible nodes of row i after a, which is the same thing only for an ancestor mask.
+    and an ancestor a iff p_i - p_a < W; cache tiles outside every row's window are not read.
     fp32 / fp16 / bf16; fp64 raises TypeError. Same inputs are rejected as by the reference.
     The split-KV count is chosen from the grid size and the block table's capacity (no host sync).
     check_values=False skips the checks that read tensor values (mask structure, cache lengths, block ids:
