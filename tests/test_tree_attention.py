@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from conftest import DEVICE, assert_close, poison
 
 from mtp_triton import reference
+from mtp_triton.kernels import tree_attention as ta
 from mtp_triton.kernels.tree_attention import _tree_attention, tree_attention
 from mtp_triton.tree import Tree
 
@@ -159,8 +160,8 @@ def test_per_sequence_masks_and_sm_scale(nan_alloc):
     assert_close(out, dense_sdpa(c, sm_scale=0.3), 2e-5, 2e-5, "per-sequence masks vs SDPA")
 
 
-@pytest.mark.parametrize("num_splits,block_m,block_n", [(3, None, None), (2, 16, 16), (1, 16, 64)],
-                         ids=["split3", "split2-M16-N16", "split1-M16-N64"])
+@pytest.mark.parametrize("num_splits,block_m,block_n", [(3, None, None), (2, 16, 16), (1, 16, 64), (5, 16, 16)],
+                         ids=["split3", "split2-M16-N16", "split1-M16-N64", "split5-bucket8-M16-N16"])
 def test_split_kv_and_small_tiles(num_splits, block_m, block_n, nan_alloc):
     """Split-KV (flash-decoding) with an empty split for short caches; query tiles that cut a node's G
     heads apart (G * T = 27 rows in 16-row tiles); key tiles smaller and larger than a block."""
@@ -168,6 +169,68 @@ def test_split_kv_and_small_tiles(num_splits, block_m, block_n, nan_alloc):
     out = _tree_attention(**c, num_splits=num_splits, block_m=block_m, block_n=block_n)
     assert_close(out, reference.tree_attention(**c), 2e-5, 2e-5, f"splits={num_splits}")
     assert_close(out, dense_sdpa(c), 2e-5, 2e-5, f"splits={num_splits} vs SDPA")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the split-KV heuristic (a pure function of the launch shape)
+# ---------------------------------------------------------------------------------------------------------
+LLAMA2, LLAMA3 = (32, 32, 128), (32, 8, 128)          # Hq, Hkv, Dh
+
+
+def _splits(programs, sms, capacity, T, model, **kw):
+    Hq, Hkv, Dh = model
+    return ta.choose_num_splits(programs, sms, capacity, T, Hq, Hkv, Dh, torch.bfloat16, **kw)
+
+
+def test_splits_fill_whole_waves():
+    """64 programs on 132 SMs, 2 resident per SM (a 264-program wave): 4 splits make 256 programs, 0.97 of a
+    wave; the old cdiv(2 * SMs, programs) = 5 made 320, 1.21 waves (the second one mostly idle)."""
+    S = _splits(64, 132, 8192, 1, LLAMA2, programs_per_sm=2)
+    assert S == 4
+    for programs in (1, 7, 32, 50, 100, 200):
+        for sms, k in ((132, 1), (132, 3), (108, 2)):
+            S = _splits(programs, sms, 32768, 1, LLAMA3, programs_per_sm=k)
+            wave = sms * k
+            busy = programs * S / (wave * -(-programs * S // wave))      # fraction of the waves' slots used
+            few = programs * ta.MAX_NUM_SPLITS < wave                           # even 32 splits leave SMs idle
+            if programs >= wave:
+                assert S == 1, (programs, sms, k, S)                        # a full grid is not split
+            else:
+                assert 1 <= S <= ta.MAX_NUM_SPLITS, (programs, k, S)
+                assert busy >= 0.8 or few and S >= 0.9 * ta.MAX_NUM_SPLITS, (programs, k, S)
+
+
+def test_splits_short_context_and_full_grid():
+    # 512 cached tokens (a 528-token table): 4 splits of 132 tokens, each at least two 64-key tiles
+    assert _splits(32, 132, 528, 1, LLAMA2, programs_per_sm=1) == 4
+    assert _splits(32, 132, 528, 1, LLAMA2, programs_per_sm=1, min_split_tokens=64) == 4   # 4 x 32 = a wave
+    assert _splits(32, 132, 200, 1, LLAMA2) == 1                                          # < 2 x 128 tokens
+    # a grid that already fills a wave is never split
+    assert _splits(264, 132, 8192, 1, LLAMA2, programs_per_sm=2) == 1
+    assert _splits(8 * 32, 132, 8192, 64, LLAMA2, programs_per_sm=1) == 1
+
+
+@pytest.mark.parametrize("model", [LLAMA2, LLAMA3], ids=["llama2-7b", "llama3-8b"])
+def test_splits_bound_partial_traffic(model):
+    """T = 64 at 8k context, batch 1 (32 programs of 64-row tiles, 1 per SM): the fp32 partials (write + read)
+    stay within MAX_PARTIAL_FRACTION of the KV bytes; at 512 context they would outweigh the cache: no split."""
+    Hq, Hkv, Dh = model
+    for capacity, expect_split in ((8256, True), (576, False)):
+        S = _splits(32, 132, capacity, 64, model, programs_per_sm=1)
+        kv = capacity * Hkv * Dh * 2 * 2
+        partials = S * 64 * Hq * (Dh + 1) * 4 * 2 if S > 1 else 0
+        assert partials <= ta.MAX_PARTIAL_FRACTION * kv
+        assert (S > 1) == expect_split, (capacity, S)
+    assert _splits(32, 132, 8256, 64, model, programs_per_sm=1, max_partial_fraction=0.0) == 1
+
+
+def test_splits_refuse_bad_arguments():
+    with pytest.raises(ValueError, match="programs"):
+        _splits(0, 132, 1024, 1, LLAMA2)
+    c = make_case([3], Tree.chain(1), 2, 1, 16, 16)
+    for bad in (0, ta.MAX_NUM_SPLITS + 1):
+        with pytest.raises(ValueError, match="num_splits"):
+            _tree_attention(**c, num_splits=bad)
 
 
 @pytest.mark.parametrize("block_m,block_n", [(None, None), (32, 16)], ids=["default-tiles", "M32-N16"])
@@ -365,10 +428,30 @@ def test_fp64_refused_by_kernel():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
 @pytest.mark.parametrize("cache_lens,Hq,Hkv", [([1000, 0, 3000, 77], 32, 8), ([8191], 32, 32)],
                          ids=["B4-GQA4", "B1-MHA-split"])
-def test_gpu_llama_shapes(cache_lens, Hq, Hkv, dtype):
+@pytest.mark.parametrize("window", [None, 700], ids=["no-window", "W700"])
+def test_gpu_llama_shapes(cache_lens, Hq, Hkv, dtype, window):
     tree = Tree.from_choices(Tree.from_accuracies([[0.6 * 0.75 ** h * 0.5 ** r for r in range(10)]
                                                    for h in range(4)], 63).paths[1:])
     c = make_case(cache_lens, tree, Hq, Hkv, 128, 16, dtype)
-    out = tree_attention(**c)
+    out = tree_attention(**c, window=window)
     tol = {torch.float16: 2e-2, torch.bfloat16: 4e-2, torch.float32: 1e-4}[dtype]
-    assert_close(out, reference.tree_attention(**c), tol, tol, "GPU vs reference")
+    assert_close(out, reference.tree_attention(**c, window=window), tol, tol, "GPU vs reference")
+
+
+@pytest.mark.gpu
+def test_gpu_batch_and_capacity_do_not_recompile(monkeypatch):
+    """The split count is a run-time argument: new batch sizes and cache capacities (which change the split
+    count) reuse the compiled kernels; only SPLIT (split or not) and the combine's bucket are constexprs."""
+    cache = getattr(ta._tree_attention_kernel, "device_caches", None)
+    if cache is None:
+        pytest.skip("this Triton has no JITFunction.device_caches")
+    chosen, choose = [], ta.choose_num_splits
+    monkeypatch.setattr(ta, "choose_num_splits", lambda *a, **k: chosen.append(choose(*a, **k)) or chosen[-1])
+    before = sum(len(entry[0]) for entry in cache.values())
+    for B in (1, 2, 3, 5, 8):
+        for n in (40, 300, 1000, 4000):
+            c = make_case([n] * B, Tree.chain(3), 8, 2, 128, 16, torch.bfloat16)
+            tree_attention(**c, check_values=False)
+    new = sum(len(entry[0]) for entry in cache.values()) - before
+    assert len(set(chosen)) > 2, f"the cases should need several split counts, got {sorted(set(chosen))}"
+    assert new <= 2, f"{new} new variants of _tree_attention_kernel for split counts {sorted(set(chosen))}"

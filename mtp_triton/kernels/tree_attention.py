@@ -30,9 +30,11 @@ chunks cover only that range. Tree keys a with depth_a <= min depth - W are neve
 depth_a <= a, so key tiles before min depth - W + 1 are skipped too.
 
 Split-KV (flash-decoding, Dao et al. 2023): with few programs (batch 1, a handful of KV heads) the cache
-of every sequence is cut into NUM_SPLITS chunks handled by separate programs; each writes its normalised
+of every sequence is cut into n_splits chunks handled by separate programs; each writes its normalised
 partial output and log-sum-exp, and `_combine_splits_kernel` merges them:
     out = sum_s exp(lse_s - M) o_s / sum_s exp(lse_s - M),   M = max_s lse_s.
+The split count is a run-time argument (`choose_num_splits`: whole waves of programs, partial traffic
+bounded against the KV bytes), so new batch sizes or cache capacities never recompile a kernel.
 
 Dtypes: fp32, fp16, bf16 (fp32 accumulation; fp16/bf16 tensor-core dots on the GPU, fp32 dots on
 fp32 inputs and under the interpreter, whose bf16 arithmetic is broken). fp64 is refused with a
@@ -161,17 +163,21 @@ def _online_softmax_update(acc, m_i, l_i, s, v, INPUT_PRECISION: tl.constexpr):
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=["window", "stride_cb"])
+# Triton specialises integer arguments on == 1 and on divisibility by 16, one compiled variant each. The
+# split count, the table width and the window change with batch size and cache capacity: not specialised,
+# so those never recompile. T is (a constant T = 1 and aligned mask rows save 30-60 registers for the
+# serial step and for trees of 16k nodes; at most three variants of T).
+@triton.jit(do_not_specialize=["max_blocks", "window", "n_splits"])
 def _tree_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, cache_lens_ptr, k_tree_ptr, v_tree_ptr, mask_ptr,
     count_ptr,                                  # [B or 1, T] int32 |tree_mask row| = depth + 1 (window only)
     out_ptr, part_ptr, lse_ptr,
-    T, Hq, Hkv, Dh, max_blocks, qk_scale, window,
+    T, Hq, Hkv, Dh, max_blocks, qk_scale, window, n_splits,
     stride_qb, stride_qt, stride_qh,            # q / out [B, T, Hq, Dh] (last stride 1)
     stride_cn, stride_cs, stride_ch,            # k_cache / v_cache [NB, BS, Hkv, Dh]
     stride_tb, stride_tt, stride_th,            # k_tree / v_tree [B, T, Hkv, Dh]
     stride_mb, stride_cb,                       # tree mask [B or 1, T, T] as bytes, counts (0 when shared)
-    G: tl.constexpr, BS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    G: tl.constexpr, BS: tl.constexpr, SPLIT: tl.constexpr,   # SPLIT: write partials (n_splits > 1)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     COMPUTE_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_WINDOW: tl.constexpr,
 ):
@@ -216,7 +222,7 @@ def _tree_attention_kernel(
 
     # ---- 1. the paged cache [lo, n_cached): all of it visible to every node, or the window's part ---------
     span = tl.maximum(n_cached - lo, 0)
-    chunk = tl.cdiv(tl.cdiv(span, NUM_SPLITS), BLOCK_N) * BLOCK_N        # this sequence's split size
+    chunk = tl.cdiv(tl.cdiv(span, n_splits), BLOCK_N) * BLOCK_N          # this sequence's split size
     start = lo + pid_s * chunk
     end = tl.minimum(start + chunk, n_cached)
     for start_n in range(start, end, BLOCK_N):
@@ -238,7 +244,7 @@ def _tree_attention_kernel(
 
     # ---- 2. the tree, under the ancestor mask (last split only) ------------------------------------------
     # the mask is lower-triangular, so keys after the tile's last node are never visible: stop there
-    tree_end = tl.where(pid_s == NUM_SPLITS - 1, last_node + 1, 0)
+    tree_end = tl.where(pid_s == n_splits - 1, last_node + 1, 0)
     for start_j in range(tree_lo, tree_end, BLOCK_N):
         j = start_j + tl.arange(0, BLOCK_N)                               # [N] tree nodes
         j_ok = j < T
@@ -258,10 +264,10 @@ def _tree_attention_kernel(
     l_safe = tl.where(l_i > 0, l_i, 1.0)        # l = 0 only for padding rows or an empty split
     o = acc / l_safe[:, None]
     o_mask = row_ok[:, None] & d_ok[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         tl.store(out_ptr + q_off[:, None] + d[None, :], o.to(out_ptr.dtype.element_ty), mask=o_mask)
     else:
-        # partials [NUM_SPLITS, B, T, Hq, Dh] fp32 and their log2-sum-exp [NUM_SPLITS, B, T, Hq]
+        # partials [n_splits, B, T, Hq, Dh] fp32 and their log2-sum-exp [n_splits, B, T, Hq]
         n_seq = tl.num_programs(1) // Hkv
         r = ((pid_s * n_seq + b) * T + t) * Hq + h                       # [M] row in the partials
         tl.store(part_ptr + r[:, None] * Dh + d[None, :], o, mask=o_mask)
@@ -269,13 +275,16 @@ def _tree_attention_kernel(
         tl.store(lse_ptr + r, lse, mask=row_ok)
 
 
-@triton.jit
-def _combine_splits_kernel(part_ptr, lse_ptr, out_ptr, R, Dh, NUM_SPLITS: tl.constexpr,
-                           BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """out[r] = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse); one program per output row."""
+@triton.jit(do_not_specialize=["R", "n_splits"])
+def _combine_splits_kernel(part_ptr, lse_ptr, out_ptr, R, Dh, n_splits, MAX_SPLITS: tl.constexpr,
+                           BLOCK_D: tl.constexpr):
+    """out[r] = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse); one program per output row.
+
+    n_splits (runtime) <= MAX_SPLITS, a power of two: one compiled variant per bucket 2, 4, ..., 32.
+    """
     r = tl.program_id(0).to(tl.int64)           # row (b, t, h) of out [B, T, Hq, Dh]
-    s = tl.arange(0, BLOCK_S)
-    s_ok = s < NUM_SPLITS
+    s = tl.arange(0, MAX_SPLITS)
+    s_ok = s < n_splits
     d = tl.arange(0, BLOCK_D)
     d_ok = d < Dh
     lse = tl.load(lse_ptr + s * R + r, mask=s_ok, other=float("-inf"))   # [S]; the last split is finite
@@ -298,21 +307,79 @@ def _interpreting():
 
 @functools.lru_cache(maxsize=None)
 def _num_sms(device_index):
+    """SM count of a CUDA device (a host-side property: no sync)."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _pick_num_splits(programs, max_cache_len, device):
-    """Flash-decoding heuristic: split the cache only when the grid would leave the GPU idle.
+MAX_NUM_SPLITS = 32      # split counts run 1..32; the combine kernel compiles once per power-of-two bucket
+MIN_SPLIT_TOKENS = 128   # two 64-key tiles per split, so one tile's loads can overlap the other's dots
+MAX_PARTIAL_FRACTION = 0.25
+SPLIT_TOLERANCE = 0.1
 
-    Aim for ~2 programs per SM, but give each split at least 256 cached tokens (fewer and the combine's
-    extra traffic and the per-split tree pass stop paying for themselves). CPU / interpreter: 1.
+
+def choose_num_splits(programs, num_sms, capacity, T, Hq, Hkv, Dh, dtype, *, programs_per_sm=2,
+                      min_split_tokens=MIN_SPLIT_TOKENS, max_partial_fraction=MAX_PARTIAL_FRACTION,
+                      tolerance=SPLIT_TOLERANCE, max_splits=MAX_NUM_SPLITS):
+    """Split-KV count S for a grid of `programs` (query tiles x sequences x KV heads) on `num_sms` SMs.
+
+    Occupancy model: programs run in waves of k * SMs (k = programs_per_sm resident at once, set by their
+    registers and shared memory), and the programs in flight share the HBM stream. S splits make P * S
+    programs with 1/S of the cache each, so in bytes at full bandwidth, per sequence,
+        cost(S) = KV * k*SMs * ceil(P*S / (k*SMs)) / (P*S)  +  partials(S)
+        KV = capacity * Hkv * Dh * 2 * elem (K and V);  partials(S) = S * T * Hq * (Dh + 1) * 4 * 2
+    (fp32 partial outputs and log-sum-exps, written, then read by the combine; 0 for S = 1). The first
+    factor is 1 for whole waves and k*SMs / (P*S) for a partly idle GPU. Admissible S:
+      * P < k * SMs: a grid that already fills a wave is not split;
+      * capacity / S >= min_split_tokens: shorter splits have no second tile to pipeline;
+      * partials(S) <= max_partial_fraction * KV: the model charges idle SMs their full share of bandwidth,
+        but one SM can stream more than that, so the sure extra traffic is capped;
+      * S <= max_splits.
+    Returns the fewest splits whose cost is within `tolerance` of the cheapest admissible one: more
+    programs, partials and combine work than that buy less than the model can resolve.
+    capacity: the block table's width in tokens (an upper bound on cache_lens known without a host sync;
+    the window + one tile when a sliding window is shorter). dtype: of the cache (its element size).
+    Pure (no device queries), so tests and audits can call it.
     """
-    if device.type != "cuda" or _interpreting():
+    if programs < 1 or num_sms < 1 or programs_per_sm < 1:
+        raise ValueError(f"choose_num_splits: programs ({programs}), num_sms ({num_sms}) and programs_per_sm "
+                         f"({programs_per_sm}) must be >= 1")
+    wave = programs_per_sm * num_sms
+    if programs >= wave:
         return 1
-    target = 2 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    if programs >= target:
-        return 1
-    return max(1, min(triton.cdiv(target, programs), max_cache_len // 256, 64))
+    kv = capacity * Hkv * Dh * 2 * dtype.itemsize
+    costs = {1: kv * wave / programs}
+    for S in range(2, max_splits + 1):
+        partials = S * T * Hq * (Dh + 1) * 4 * 2
+        if capacity < S * min_split_tokens or partials > max_partial_fraction * kv:
+            break                                           # both bounds only tighten as S grows
+        costs[S] = kv * wave * triton.cdiv(programs * S, wave) / (programs * S) + partials
+    best = min(costs.values())
+    return min(S for S, c in costs.items() if c <= (1 + tolerance) * best)
+
+
+def split_bucket(num_splits):
+    """MAX_SPLITS constexpr of the combine kernel for a split count: the next power of two (>= 2)."""
+    return max(2, triton.next_power_of_2(num_splits))
+
+
+# programs of each query-tile size that fit on one SM at once (registers x threads <= 64K, shared memory),
+# read off ahead-of-time compiles for sm_90 and sm_80 (bf16, Dh 128; see `_tiles`)
+_PROGRAMS_PER_SM = {16: 3, 32: 2, 64: 1}
+
+
+def _tiles(rows, interp):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages, programs per SM) for G * T = rows query rows per KV head.
+
+    GPU dots need every dim >= 16. Register budget, from ahead-of-time compiles (ptxas -v, cuobjdump) of
+    the Llama-2-7B / Llama-3-8B bf16 launches at B 1/8, T 1/16/64, context 512/8192: 64-row tiles with
+    4 warps sat at the 255 cap on sm_80 with 28-64 bytes of spills (and 252-255 on sm_90 at odd T), so
+    they run 8 warps: 128-152 registers on sm_90, 180-194 on sm_80, no spills (the unsplit variant at
+    odd T still takes 254-255 on sm_80, without spills). 16-row tiles: 4 warps, 96-168 registers;
+    32-row tiles (odd T only): 4 warps, 239-250, no spills.
+    """
+    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    block_n = 32 if interp else 64
+    return block_m, block_n, 8 if block_m == 64 else 4, 2, _PROGRAMS_PER_SM[block_m]
 
 
 def _tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask, sm_scale=None,
@@ -334,20 +401,24 @@ def _tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree
     scale = Dh ** -0.5 if sm_scale is None else float(sm_scale)
     interp = _interpreting()
 
-    # tiles: the G * T rows of one KV head in query tiles of BLOCK_M; GPU dots need every dim >= 16
-    block_m = block_m or min(64, max(16, triton.next_power_of_2(G * T)))
-    block_n = block_n or (32 if interp else 64)
+    # tiles: the G * T rows of one KV head in query tiles of BLOCK_M
+    auto_m, auto_n, num_warps, num_stages, per_sm = _tiles(G * T, interp)
+    block_m, block_n = block_m or auto_m, block_n or auto_n
     block_d = max(16, triton.next_power_of_2(Dh))
     num_m = triton.cdiv(G * T, block_m)
     if num_splits is None:
-        # sized by the block table's capacity (an upper bound on every cache_len, known without a host
-        # sync), or by the window when it is shorter; splits past a sequence's range hold only the tree
+        # from shapes only (no host sync, CUDA-graph safe): the table's width bounds every cache_len, and
+        # a shorter window bounds the range a program reads; the interpreter runs one split
         capacity = block_table.shape[1] * BS
         if window is not None:
             capacity = min(capacity, window + block_n)      # + one tile: the range starts tile-aligned
-        num_splits = _pick_num_splits(num_m * B * Hkv, capacity, q.device)
-    if num_splits < 1:
-        raise ValueError(f"tree_attention: num_splits must be >= 1, got {num_splits}")
+        num_splits = 1
+        if not interp:
+            sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
+            num_splits = choose_num_splits(num_m * B * Hkv, sms, capacity, T, Hq, Hkv, Dh, k_cache.dtype,
+                                           programs_per_sm=per_sm)
+    if not 1 <= num_splits <= MAX_NUM_SPLITS:
+        raise ValueError(f"tree_attention: num_splits must be in [1, {MAX_NUM_SPLITS}], got {num_splits}")
 
     # the mask as bytes, [T, T] shared by the batch (batch stride 0) or [B, T, T]
     mask = tree_mask.contiguous().view(torch.uint8)
@@ -370,19 +441,19 @@ def _tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree
     _tree_attention_kernel[grid](
         q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, mask, counts, out, part, lse,
         T, Hq, Hkv, Dh, block_table.shape[1], scale * 1.4426950408889634,       # log2(e): softmax in base 2
-        window or 0,
+        window or 0, num_splits,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         k_tree.stride(0), k_tree.stride(1), k_tree.stride(2),
         stride_mb, stride_cb,
-        G=G, BS=BS, NUM_SPLITS=num_splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        G=G, BS=BS, SPLIT=num_splits > 1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         COMPUTE_DTYPE=compute, INPUT_PRECISION=precision, USE_WINDOW=window is not None,
-        num_warps=4, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         R = B * T * Hq
-        _combine_splits_kernel[(R,)](part, lse, out, R, Dh, NUM_SPLITS=num_splits,
-                                     BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_D=block_d)
+        _combine_splits_kernel[(R,)](part, lse, out, R, Dh, num_splits, MAX_SPLITS=split_bucket(num_splits),
+                                     BLOCK_D=block_d)
     return out
 
 
@@ -399,7 +470,8 @@ def tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree,
     p_i = cache_lens[b] + depth_i (depth_i = tree_mask[b, i].sum() - 1) sees cache position j iff p_i - j < W
     and an ancestor a iff p_i - p_a < W; cache tiles outside every row's window are not read.
     fp32 / fp16 / bf16; fp64 raises TypeError. Same inputs are rejected as by the reference.
-    The split-KV count is chosen from the grid size and the block table's capacity (no host sync).
+    The split-KV count comes from `choose_num_splits` (grid size, SM count, the block table's capacity:
+    no host sync, and a run-time argument, so new batch sizes and capacities do not recompile).
     check_values=False skips the checks that read tensor values (mask structure, cache lengths, block ids:
     host syncs on a GPU); shapes, dtypes and devices are always checked. For callers that built the inputs
     themselves (the engine's hot loop).
