@@ -414,6 +414,58 @@ def test_bad_input(name, fn):
         fn(**_bad(name))
 
 
+# ---------------------------------------------------------------------------------------------------------
+# block tables: entries in use are real, unshared blocks; unused ones (-1) are never followed
+# ---------------------------------------------------------------------------------------------------------
+def _table_case():
+    """cache_lens 20 and 37 in 16-token blocks: 2 and 3 entries in use of 4 columns."""
+    return make_case([20, 37], Tree.chain(2), 4, 2, 16, 16)
+
+
+@pytest.mark.parametrize("fn", [tree_attention, reference.tree_attention], ids=["triton", "reference"])
+def test_table_entries_in_use_must_be_unshared_blocks(fn):
+    c = _table_case()
+    shared = dict(c, block_table=c["block_table"].clone())
+    shared["block_table"][1, 2] = shared["block_table"][0, 0]           # sequence 1 reads sequence 0's block
+    with pytest.raises(ValueError, match="in use twice"):
+        fn(**shared)
+    bad = dict(c, block_table=c["block_table"].clone())
+    bad["block_table"][0, 1] = -1                                       # sequence 0's second block: gone
+    with pytest.raises(ValueError, match=r"entries in use must be in \[0, \d+\): block_table\[0, 1\] = -1"):
+        fn(**bad)
+    # entries past a sequence's blocks are not read: -1, an id out of range, another row's id are all fine
+    loose = dict(c, block_table=c["block_table"].clone())
+    loose["block_table"][0, 2:] = torch.tensor([10 ** 6, int(c["block_table"][1, 0])], dtype=torch.int32)
+    loose["block_table"][1, 3] = -1
+    assert torch.equal(fn(**loose), fn(**c))
+
+
+def test_unchecked_bad_entries_are_skipped_by_triton_and_raise_in_the_twin():
+    """check_values=False, sequence 0's third block is -1 (and sequence 1's cache runs past the table): the
+    twin raises IndexError (it used to clamp -1 to block 0, silently); Triton leaves those positions out,
+    reading nothing outside the cache (a slice of a NaN-guarded buffer)."""
+    c = make_case([40, 9], Tree.chain(2), 4, 2, 16, 16)                  # 3 and 1 blocks in use
+    c["block_table"][0, 2] = -1                                          # positions 32..39 have no block
+    with pytest.raises(IndexError):
+        reference.tree_attention(**c, check_values=False)
+    NB = c["k_cache"].shape[0]
+    guarded = {n: poison((NB + 2,) + tuple(c[n].shape[1:]), c[n].dtype) for n in ("k_cache", "v_cache")}
+    for n in guarded:
+        guarded[n][1: NB + 1] = c[n]
+    ours = dict(c, k_cache=guarded["k_cache"][1: NB + 1], v_cache=guarded["v_cache"][1: NB + 1])
+    out = tree_attention(**ours, check_values=False)
+    cut = dict(c, cache_lens=torch.tensor([32, 9], dtype=torch.int32, device=DEVICE))   # what is left to see
+    assert_close(out, reference.tree_attention(**cut), 2e-5, 2e-5, "positions with no block left out")
+    # a cache_len past the table's width (2 columns = 32 tokens): the positions past it are left out
+    c = make_case([16, 40], Tree.chain(2), 4, 2, 16, 16)
+    c["block_table"] = c["block_table"][:, :2].contiguous()
+    with pytest.raises(IndexError):
+        reference.tree_attention(**c, check_values=False)
+    out = tree_attention(**c, check_values=False)
+    cut = dict(c, cache_lens=torch.tensor([16, 32], dtype=torch.int32, device=DEVICE))
+    assert_close(out, reference.tree_attention(**cut, check_values=False), 2e-5, 2e-5, "past the table's width")
+
+
 def test_fp64_refused_by_kernel():
     c = make_case([3], Tree.chain(1), 2, 1, 16, 16, dtype=torch.float64)
     with pytest.raises(TypeError, match="fp64|float64"):

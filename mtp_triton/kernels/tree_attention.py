@@ -80,7 +80,8 @@ def check_tree_attention_inputs(q, k_cache, v_cache, block_table, cache_lens, k_
     q [B, T, Hq, Dh]; k_cache, v_cache [NB, BS, Hkv, Dh]; block_table [B, max_blocks] int32;
     cache_lens [B] int32; k_tree, v_tree [B, T, Hkv, Dh]; tree_mask [T, T] or [B, T, T] bool;
     window None or an int >= 1 (always checked). The block table must hold room for cache_lens + T tokens
-    (the step appends up to T).
+    (the step appends up to T). Entries in use, the first ceil(cache_lens[b] / BS) of row b (the blocks
+    read), must be block ids in [0, NB), none used twice; unused entries are -1 (any value is ignored).
     Returns the mask expanded to [B, T, T].
     """
     check_window(window)
@@ -137,11 +138,29 @@ def check_tree_attention_inputs(q, k_cache, v_cache, block_table, cache_lens, k_
     if int((cache_lens.long() + T).max()) > block_table.shape[1] * BS:
         raise ValueError(f"tree_attention: block_table has room for {block_table.shape[1] * BS} tokens, but "
                          f"cache_lens + T needs {int((cache_lens.long() + T).max())}")
-    needed = (cache_lens.long() + BS - 1) // BS  # blocks actually read per sequence
+    # block-table entries in use: the first ceil(cache_lens[b] / BS) of row b (the blocks this call reads)
+    blocks_used = (cache_lens.long() + BS - 1) // BS                     # [B]
     cols = torch.arange(block_table.shape[1], device=block_table.device)
-    used = block_table[cols[None, :] < needed[:, None]]
-    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= NB):
-        raise ValueError(f"tree_attention: block_table entries in use must be in [0, {NB})")
+    in_use = cols[None, :] < blocks_used[:, None]                        # [B, max_blocks]
+    ids = block_table.long()
+    bad_ids = in_use & ((ids < 0) | (ids >= NB))                         # -1 (no block) or out of range
+    unused = -1 - torch.arange(ids.numel(), device=ids.device).view_as(ids)   # distinct, all < 0
+    ranked = torch.where(in_use, ids, unused).flatten().sort().values
+    shared = (ranked[1:] == ranked[:-1]) & (ranked[1:] >= 0)              # a block id in use twice
+    bad_block, shared = torch.stack([bad_ids.any(), shared.any()]).tolist()     # one host sync
+    if bad_block:
+        b, c = bad_ids.nonzero()[0].tolist()
+        raise ValueError(f"tree_attention: block_table entries in use must be in [0, {NB}): block_table[{b}, {c}] "
+                         f"= {int(ids[b, c])}, but sequence {b} holds {int(cache_lens[b])} cached tokens in "
+                         f"{int(blocks_used[b])} blocks (-1 marks an entry with no block)")
+    if shared:
+        first = {}
+        for b, c in in_use.nonzero().tolist():
+            seen = first.setdefault(int(ids[b, c]), (b, c))
+            if seen != (b, c):
+                raise ValueError(f"tree_attention: block id {int(ids[b, c])} is in use twice, at block_table"
+                                 f"{list(seen)} and block_table{[b, c]}: no two sequences (or positions) may "
+                                 "share a block")
     return mask
 
 
@@ -167,12 +186,12 @@ def _online_softmax_update(acc, m_i, l_i, s, v, INPUT_PRECISION: tl.constexpr):
 # split count, the table width and the window change with batch size and cache capacity: not specialised,
 # so those never recompile. T is (a constant T = 1 and aligned mask rows save 30-60 registers for the
 # serial step and for trees of 16k nodes; at most three variants of T).
-@triton.jit(do_not_specialize=["max_blocks", "window", "n_splits"])
+@triton.jit(do_not_specialize=["NB", "max_blocks", "window", "n_splits"])
 def _tree_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, cache_lens_ptr, k_tree_ptr, v_tree_ptr, mask_ptr,
     count_ptr,                                  # [B or 1, T] int32 |tree_mask row| = depth + 1 (window only)
     out_ptr, part_ptr, lse_ptr,
-    T, Hq, Hkv, Dh, max_blocks, qk_scale, window, n_splits,
+    T, Hq, Hkv, Dh, NB, max_blocks, qk_scale, window, n_splits,
     stride_qb, stride_qt, stride_qh,            # q / out [B, T, Hq, Dh] (last stride 1)
     stride_cn, stride_cs, stride_ch,            # k_cache / v_cache [NB, BS, Hkv, Dh]
     stride_tb, stride_tt, stride_th,            # k_tree / v_tree [B, T, Hkv, Dh]
@@ -230,7 +249,10 @@ def _tree_attention_kernel(
         pos_ok = pos < end
         if USE_WINDOW:
             pos_ok = pos_ok & (pos >= lo_seen)                            # older positions: not even loaded
-        blk = tl.load(block_table_ptr + b * max_blocks + pos // BS, mask=pos_ok, other=0).to(tl.int64)
+        col = pos // BS                                                   # [N] block-table column
+        blk = tl.load(block_table_ptr + b * max_blocks + col, mask=pos_ok & (col < max_blocks), other=-1)
+        pos_ok = pos_ok & (blk >= 0) & (blk < NB)     # unchecked tables: a bad entry is skipped, never followed
+        blk = blk.to(tl.int64)
         kv_off = blk * stride_cn + (pos % BS) * stride_cs + kvh * stride_ch          # [N]
         kv_mask = pos_ok[:, None] & d_ok[None, :]
         k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
@@ -440,7 +462,7 @@ def _tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree
     grid = (num_m, B * Hkv, num_splits)
     _tree_attention_kernel[grid](
         q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, mask, counts, out, part, lse,
-        T, Hq, Hkv, Dh, block_table.shape[1], scale * 1.4426950408889634,       # log2(e): softmax in base 2
+        T, Hq, Hkv, Dh, k_cache.shape[0], block_table.shape[1], scale * 1.4426950408889634,   # log2(e): base 2
         window or 0, num_splits,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -474,7 +496,14 @@ def tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree,
     no host sync, and a run-time argument, so new batch sizes and capacities do not recompile).
     check_values=False skips the checks that read tensor values (mask structure, cache lengths, block ids:
     host syncs on a GPU); shapes, dtypes and devices are always checked. For callers that built the inputs
-    themselves (the engine's hot loop).
+    themselves (the engine's hot loop). With bad values this kernel
+      * leaves out of the softmax every cached position whose block-table entry is not a block id in
+        [0, NB) (-1: no block) or lies past the table's width: silently wrong output, but nothing outside
+        the cache is read;
+      * reads an entry naming another sequence's block as this sequence's (silently wrong output).
+    The twin raises IndexError in the first case (on CPU; on CUDA a device-side assert) and reads the
+    foreign block like the kernel in the second. Other bad values (a mask that is not reflexive and
+    lower-triangular, negative cache_lens) give undefined output, still without out-of-bounds reads.
     """
     return _tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask, sm_scale,
                            check_values=check_values, window=window)
