@@ -286,6 +286,15 @@ def test_unchecked_bad_entries_drop_the_token_in_triton_and_raise_in_the_twin():
             f"{name}: memory around the cache was written"
 
 
+def test_docstring_example_runs():
+    """The module's example (an append across a block boundary, then one refused past the blocks) runs."""
+    if DEVICE != "cpu":
+        pytest.skip("the example uses CPU tensors (Triton's interpreter)")
+    import doctest
+    result = doctest.testmod(kv_mod)
+    assert result.attempted >= 9 and result.failed == 0, result
+
+
 def test_check_returns_tokens_to_write():
     case = make_case(L=1, BS=4, Hkv=1, Dh=4, T=6, cache_lens=[0, 3, 9], accept_len=[1, 5, 0])
     assert kv_mod.check_kv_append_inputs(*args_of(case)) == 6

@@ -466,6 +466,15 @@ def test_unchecked_bad_entries_are_skipped_by_triton_and_raise_in_the_twin():
     assert_close(out, reference.tree_attention(**cut, check_values=False), 2e-5, 2e-5, "past the table's width")
 
 
+def test_docstring_example_runs():
+    """The module's example (a hand-computed row, a window, the split heuristic) runs as written."""
+    if DEVICE != "cpu":
+        pytest.skip("the example uses CPU tensors (Triton's interpreter)")
+    import doctest
+    result = doctest.testmod(ta)
+    assert result.attempted >= 10 and result.failed == 0, result
+
+
 def test_fp64_refused_by_kernel():
     c = make_case([3], Tree.chain(1), 2, 1, 16, 16, dtype=torch.float64)
     with pytest.raises(TypeError, match="fp64|float64"):

@@ -22,17 +22,23 @@ Offsets are int64 (a cache can exceed 2**31 elements).
 Input checks live here so this file can be copied alone (torch + triton only); the
 PyTorch twin in ``mtp_triton.reference`` imports them, so both reject the same inputs.
 
-Example:
+Example (on CPU: call mtp_triton.use_interpreter() or set TRITON_INTERPRET=1 before importing this file):
     >>> L, NB, BS, Hkv, Dh, B, T = 2, 8, 4, 2, 24, 2, 5
     >>> k_cache = torch.zeros(L, NB, BS, Hkv, Dh); v_cache = torch.zeros_like(k_cache)
     >>> k_tree = torch.randn(L, B, T, Hkv, Dh); v_tree = torch.randn_like(k_tree)
-    >>> block_table = torch.tensor([[5, 2, 7], [0, 3, 1]], dtype=torch.int32)
+    >>> block_table = torch.tensor([[5, 2, -1], [0, 3, 1]], dtype=torch.int32)   # -1: no block
     >>> cache_lens = torch.tensor([3, 6], dtype=torch.int32)           # seq 0 crosses into block 2
     >>> accept_nodes = torch.tensor([[0, 2, 4, -1, -1], [0, -1, -1, -1, -1]])
     >>> accept_len = torch.tensor([2, 0])
     >>> kv_append(k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, accept_nodes, accept_len)
     >>> bool((k_cache[:, 2, 0] == k_tree[:, 0, 2]).all())             # seq 0, j = 1 -> pos 4 = block 2, slot 0
     True
+
+    Sequence 0 owns 2 blocks (8 tokens): appending 3 tokens at position 7 would need a third.
+    >>> kv_append(k_cache, v_cache, block_table, torch.tensor([7, 6], dtype=torch.int32), k_tree, v_tree,
+    ...           accept_nodes, accept_len)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: kv_append: block_table entries in use must be in [0, 8): block_table[0, 2] = -1, but sequence 0 ...
 """
 import torch
 import triton

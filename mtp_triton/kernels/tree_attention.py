@@ -43,16 +43,31 @@ TypeError: use `mtp_triton.reference.tree_attention` (the engine's CPU path) for
 Input checks live here so this file can be copied alone (torch + triton only); the
 PyTorch twin in ``mtp_triton.reference`` imports them, so both reject the same inputs.
 
-Example:
+Example (on CPU: call mtp_triton.use_interpreter() or set TRITON_INTERPRET=1 before importing this file):
     >>> B, T, Hq, Hkv, Dh, BS = 2, 3, 4, 2, 16, 16
     >>> q = torch.randn(B, T, Hq, Dh)
     >>> k_cache, v_cache = torch.randn(2, 4, BS, Hkv, Dh).unbind(0)
-    >>> block_table = torch.tensor([[0, 1], [3, 2]], dtype=torch.int32)
+    >>> block_table = torch.tensor([[0, -1], [3, 2]], dtype=torch.int32)  # sequence 0 owns one block
     >>> cache_lens = torch.tensor([5, 17], dtype=torch.int32)
     >>> k_tree, v_tree = torch.randn(2, B, T, Hkv, Dh).unbind(0)
     >>> mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # root with two children
-    >>> tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, mask).shape
+    >>> out = tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, mask)
+    >>> out.shape
     torch.Size([2, 3, 4, 16])
+
+    The root of sequence 0, query head 0 (KV head 0): its 5 cached tokens (block 0) and itself.
+    >>> k = torch.cat([k_cache[0, :5, 0], k_tree[0, :1, 0]]); v = torch.cat([v_cache[0, :5, 0], v_tree[0, :1, 0]])
+    >>> torch.allclose(out[0, 0, 0], torch.softmax(k @ q[0, 0, 0] / Dh ** 0.5, dim=0) @ v, atol=1e-5)
+    True
+
+    A sliding window of 2: the root sits at position 5 and sees position 4 and itself only.
+    >>> out = tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, mask, window=2)
+    >>> torch.allclose(out[0, 0, 0], torch.softmax(k[4:] @ q[0, 0, 0] / Dh ** 0.5, dim=0) @ v[4:], atol=1e-5)
+    True
+
+    The split-KV count for Llama-2-7B at batch 1 (32 programs) on 132 SMs: 4 splits, 128 programs.
+    >>> choose_num_splits(32, 132, 8192, 1, 32, 32, 128, torch.bfloat16, programs_per_sm=1)
+    4
 """
 import functools
 import numbers
