@@ -199,7 +199,7 @@ def _online_softmax_update(acc, m_i, l_i, s, v, INPUT_PRECISION: tl.constexpr):
 
 # Triton specialises integer arguments on == 1 and on divisibility by 16, one compiled variant each. The
 # split count, the table width and the window change with batch size and cache capacity: not specialised,
-# so those never recompile. T is (a constant T = 1 and aligned mask rows save 30-60 registers for the
+# so those never recompile. T is (a constant T = 1 and aligned mask rows save 30-50 registers for the
 # serial step and for trees of 16k nodes; at most three variants of T).
 @triton.jit(do_not_specialize=["NB", "max_blocks", "window", "n_splits"])
 def _tree_attention_kernel(
@@ -409,10 +409,10 @@ def _tiles(rows, interp):
 
     GPU dots need every dim >= 16. Register budget, from ahead-of-time compiles (ptxas -v, cuobjdump) of
     the Llama-2-7B / Llama-3-8B bf16 launches at B 1/8, T 1/16/64, context 512/8192: 64-row tiles with
-    4 warps sat at the 255 cap on sm_80 with 28-64 bytes of spills (and 252-255 on sm_90 at odd T), so
-    they run 8 warps: 128-152 registers on sm_90, 180-194 on sm_80, no spills (the unsplit variant at
-    odd T still takes 254-255 on sm_80, without spills). 16-row tiles: 4 warps, 96-168 registers;
-    32-row tiles (odd T only): 4 warps, 239-250, no spills.
+    4 warps sat at the 255 cap on sm_80 with 32-60 bytes of spills (and at 252-255 on sm_90 at odd T),
+    so they run 8 warps: 159-186 registers on sm_90, 152-188 on sm_80, no spills (at odd T the unsplit
+    variant still takes 254-255 on sm_80, without spills). 16-row tiles: 4 warps, 126-168 registers;
+    32-row tiles (odd T only): 4 warps, 242-246, no spills. The window variant adds up to ~25.
     """
     block_m = min(64, max(16, triton.next_power_of_2(rows)))
     block_n = 32 if interp else 64
