@@ -170,8 +170,10 @@ def _linear_2rows(layer, x):
 class PagedKVCache:
     """k, v [L, NB, BS, Hkv, Dh]; block_table [B, max_blocks] int32; cache_lens [B] int32.
 
-    Each sequence gets ceil(capacity_b / BS) blocks from one pool (a real allocator would hand them out
-    on demand; allocating up front keeps the decode loop free of host work).
+    Each sequence gets ceil(capacity_b / BS) blocks of its own from one pool (a real allocator would hand
+    them out on demand; allocating up front keeps the decode loop free of host work). Row b lists them,
+    then -1 (no block) up to the longest row: block 0 belongs to sequence 0, so padding with 0 would let a
+    write past a shorter sequence's end land in it; a -1 in use is refused by the kernels' value checks.
     """
 
     def __init__(self, cfg, capacities, block_size=16, dtype=torch.float32, device="cpu"):
@@ -182,7 +184,7 @@ class PagedKVCache:
         shape = (cfg.num_hidden_layers, NB, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.block_table = torch.zeros(len(capacities), max_blocks, dtype=torch.int32, device=device)
+        self.block_table = torch.full((len(capacities), max_blocks), -1, dtype=torch.int32, device=device)
         start = 0
         for b, n in enumerate(nblocks):
             self.block_table[b, :n] = torch.arange(start, start + n, dtype=torch.int32, device=device)

@@ -85,6 +85,11 @@ def tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree,
     q [B, T, Hq, Dh]; k_cache, v_cache [NB, BS, Hkv, Dh]; block_table [B, max_blocks] int32;
     cache_lens [B] int32; k_tree, v_tree [B, T, Hkv, Dh]; tree_mask [T, T] or [B, T, T] bool.
     returns out [B, T, Hq, Dh] in q's dtype.
+    check_values=False trusts the values: a block-table entry in use (the first ceil(cache_lens[b] / BS) of
+    row b) that is not a block id in [0, NB) (-1 = no block), or cache_lens past the table's width, raises
+    IndexError here (on CPU; a device-side assert on CUDA) where the Triton kernel leaves those positions
+    out of the softmax; an entry naming another sequence's block is read as this sequence's, as by the
+    kernel. check_values=True refuses both with a ValueError.
     """
     checks = _checks("tree_attention")
     mask = checks.check_tree_attention_inputs(
@@ -97,7 +102,14 @@ def tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree,
     acc = _acc_dtype(q.dtype)
     # gather every sequence's cached tokens through its block table, padded to the longest cache
     n = int(cache_lens.max())
-    blocks = block_table[:, : (n + BS - 1) // BS].long().clamp(0, NB - 1)          # [B, nblk]
+    nblk = (n + BS - 1) // BS
+    if nblk > block_table.shape[1]:
+        raise IndexError(f"tree_attention: cache_lens needs {nblk} block-table columns, the table has "
+                         f"{block_table.shape[1]}")
+    blocks = block_table[:, :nblk].long()                                         # [B, nblk]
+    in_use = torch.arange(nblk, device=q.device)[None, :] < (cache_lens[:, None].long() + BS - 1) // BS
+    blocks = torch.where(in_use, blocks, 0)            # entries past a sequence's blocks (-1): masked below
+    blocks = torch.where(blocks < 0, NB, blocks)       # -1 in use must not wrap to the last block: IndexError
     k_c = k_cache[blocks].reshape(B, -1, Hkv, Dh)[:, :n]                          # [B, n, Hkv, Dh]
     v_c = v_cache[blocks].reshape(B, -1, Hkv, Dh)[:, :n]
     cached = torch.arange(n, device=q.device)[None, :] < cache_lens[:, None]     # [B, n] real cache slots
@@ -234,15 +246,21 @@ def kv_append(k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, accept_
     For layer l, sequence b and j = 0..accept_len[b]: node n = accept_nodes[b, j] goes to position
     pos = cache_lens[b] + j, i.e. block block_table[b, pos // BS], slot pos % BS.
     k_cache, v_cache [L, NB, BS, Hkv, Dh]; k_tree, v_tree [L, B, T, Hkv, Dh]. cache_lens is not changed.
+    check_values=False trusts the values: an entry in use that is not a block id in [0, NB) (-1 = no
+    block) or a column past the table's width raises IndexError here (on CPU; a device-side assert on
+    CUDA) where the Triton kernel drops the token; an entry naming another sequence's block is written
+    there, overwriting its K/V, as by the kernel. check_values=True refuses both with a ValueError.
     """
     _checks("kv_append").check_kv_append_inputs(
         k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, accept_nodes, accept_len, values=check_values)
     BS = k_cache.shape[2]
     B = k_tree.shape[1]
+    NB = k_cache.shape[1]
     for b in range(B):
         n = int(accept_len[b]) + 1
         pos = int(cache_lens[b]) + torch.arange(n, device=k_cache.device)
-        blocks = block_table[b].long()[pos // BS]
+        blocks = block_table[b].long()[pos // BS]        # past the table's width: IndexError
+        blocks = torch.where(blocks < 0, NB, blocks)     # -1 must not wrap to the last block: IndexError
         slots = pos % BS
         nodes = accept_nodes[b, :n]
         k_cache[:, blocks, slots] = k_tree[:, b, nodes]

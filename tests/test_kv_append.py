@@ -185,6 +185,116 @@ def test_kv_append_rejects_bad_input(bad, impl):
     assert torch.equal(bits(c["k_cache"]), bits(before[0])) and torch.equal(bits(c["v_cache"]), bits(before[1]))
 
 
+# ---------------------------------------------------------------- block tables: -1 padding, per-sequence blocks
+
+def _tiny_config():
+    from mtp_triton.model import ModelConfig
+    return ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=4)
+
+
+def test_paged_cache_pads_unused_entries_with_minus_one():
+    """Each row lists its own blocks, then -1: block 0 belongs to sequence 0, so it must not pad the others."""
+    from mtp_triton.model import PagedKVCache
+    cache = PagedKVCache(_tiny_config(), [5, 40, 9], block_size=4)           # 2, 10 and 3 blocks
+    table = cache.block_table.tolist()
+    assert [sum(x >= 0 for x in row) for row in table] == [2, 10, 3]
+    assert all(x == -1 for row, n in zip(table, (2, 10, 3)) for x in row[n:]), table
+    owned = sorted(x for row in table for x in row if x >= 0)
+    assert owned == list(range(cache.k.shape[1])), "every block belongs to exactly one sequence"
+
+
+def _paged_case(capacities, cache_lens, accept_len, T=4, BS=4):
+    """A case on the engine's own PagedKVCache (capacities 5 and 40 tokens: 2 and 10 blocks)."""
+    from mtp_triton.model import PagedKVCache
+    cache = PagedKVCache(_tiny_config(), capacities, block_size=BS, device=DEVICE)
+    g = torch.Generator().manual_seed(1)
+    B, L = len(capacities), cache.k.shape[0]
+    k = torch.randn(cache.k.shape, generator=g).to(DEVICE)
+    nodes = torch.full((B, T), -1, dtype=torch.int64)
+    for b, a in enumerate(accept_len):
+        nodes[b, : a + 1] = torch.arange(a + 1)
+    return dict(k_cache=k, v_cache=-k, block_table=cache.block_table,
+                cache_lens=torch.tensor(cache_lens, dtype=torch.int32, device=DEVICE),
+                k_tree=torch.randn(L, B, T, *cache.k.shape[3:], generator=g).to(DEVICE),
+                v_tree=torch.randn(L, B, T, *cache.k.shape[3:], generator=g).to(DEVICE),
+                accept_nodes=nodes.to(DEVICE), accept_len=torch.tensor(accept_len, device=DEVICE))
+
+
+@pytest.mark.parametrize("impl", list(IMPLS), ids=list(IMPLS))
+def test_append_past_a_sequences_own_blocks_is_refused(impl):
+    """Sequence 0 owns 2 blocks (8 tokens); appending 3 tokens at position 6 needs a third. The table is
+    wide enough (sequence 1 owns 10), so a width-based check passed, and with 0 padding the write went to
+    block 0, sequence 0's own first block. Now the -1 there is refused and nothing is written."""
+    c = _paged_case([5, 40], cache_lens=[6, 30], accept_len=[2, 1])
+    before = clone_case(c)
+    with pytest.raises(ValueError, match=r"entries in use must be in \[0, 12\): block_table\[0, 2\] = -1"):
+        IMPLS[impl](*args_of(c))
+    assert torch.equal(bits(c["k_cache"]), bits(before["k_cache"])) and torch.equal(c["v_cache"], before["v_cache"])
+    fine = _paged_case([5, 40], cache_lens=[5, 30], accept_len=[2, 1])         # positions 5..7: its own blocks
+    check_append(fine, lambda a: IMPLS[impl](*a))
+
+
+def _share(case, b, col, with_b, with_col):
+    table = case["block_table"].clone()
+    table[b, col] = table[with_b, with_col]
+    return _bad(case, block_table=table)
+
+
+@pytest.mark.parametrize("impl", list(IMPLS), ids=list(IMPLS))
+@pytest.mark.parametrize("where", ["two-sequences", "one-sequence"])
+def test_shared_blocks_are_refused(where, impl):
+    case = make_case(L=2, BS=4, Hkv=2, Dh=6, T=5, cache_lens=[1, 6], accept_len=[3, 2])   # 2 and 3 blocks in use
+    c = _share(case, 1, 2, 0, 1) if where == "two-sequences" else _share(case, 1, 2, 1, 0)
+    with pytest.raises(ValueError, match="in use twice"):
+        IMPLS[impl](*args_of(c))
+    # the same id in an entry no call uses (past a sequence's blocks) is not a conflict
+    spare = _bad(case, block_table=case["block_table"].clone())
+    spare["block_table"][0, 2] = spare["block_table"][1, 0]
+    check_append(spare, lambda a: IMPLS[impl](*a))
+
+
+def test_unchecked_bad_entries_drop_the_token_in_triton_and_raise_in_the_twin():
+    """check_values=False with -1 in use (and a column past the table's width): the twin raises IndexError
+    (torch indexing would silently wrap -1 to the last block); Triton drops those tokens and writes the
+    others. The caches are slices of NaN-guarded buffers: nothing around them may change either."""
+    case = make_case(L=2, BS=4, Hkv=2, Dh=6, T=5, cache_lens=[1, 6], accept_len=[3, 2], spare_blocks=0)
+    table = case["block_table"][:, :2].clone()                  # seq 0 owns blocks [a, -]: 4 tokens, seq 1 two
+    table[0, 1] = -1
+    bad = _bad(case, block_table=table.contiguous(), cache_lens=torch.tensor([2, 6], dtype=torch.int32,
+                                                                             device=DEVICE))
+    # seq 0 writes positions 2, 3 (block a), 4, 5 (column 1: -1); seq 1 writes 6, 7 (its column 1), 8 (column 2:
+    # past the width)
+    for accept in ([3, 1], [0, 2]):                           # only the -1, then only past the width
+        with pytest.raises(IndexError):
+            reference.kv_append(*args_of(_bad(bad, accept_len=torch.tensor(accept, device=DEVICE))),
+                                check_values=False)
+    L, NB = bad["k_cache"].shape[:2]
+    guarded = {}
+    for name in ("k_cache", "v_cache"):
+        buf = poison((L + 2, NB) + tuple(bad[name].shape[2:]), bad[name].dtype)
+        buf[1: L + 1] = bad[name]
+        guarded[name] = buf
+    ours = dict(bad, k_cache=guarded["k_cache"][1: L + 1], v_cache=guarded["v_cache"][1: L + 1])
+    kv_mod.kv_append(*args_of(ours), check_values=False)
+    # what must have happened: the tokens with a block, appended by the checked twin
+    ok = _bad(bad, accept_len=torch.tensor([1, 1], device=DEVICE))
+    reference.kv_append(*args_of(ok))
+    for name in ("k_cache", "v_cache"):
+        assert torch.equal(bits(ours[name]), bits(ok[name])), f"{name}: the valid tokens, and only they"
+        assert torch.isnan(guarded[name][0]).all() and torch.isnan(guarded[name][L + 1]).all(), \
+            f"{name}: memory around the cache was written"
+
+
+def test_docstring_example_runs():
+    """The module's example (an append across a block boundary, then one refused past the blocks) runs."""
+    if DEVICE != "cpu":
+        pytest.skip("the example uses CPU tensors (Triton's interpreter)")
+    import doctest
+    result = doctest.testmod(kv_mod)
+    assert result.attempted >= 9 and result.failed == 0, result
+
+
 def test_check_returns_tokens_to_write():
     case = make_case(L=1, BS=4, Hkv=1, Dh=4, T=6, cache_lens=[0, 3, 9], accept_len=[1, 5, 0])
     assert kv_mod.check_kv_append_inputs(*args_of(case)) == 6

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from conftest import DEVICE, assert_close, poison
 
 from mtp_triton import reference
+from mtp_triton.kernels import tree_attention as ta
 from mtp_triton.kernels.tree_attention import _tree_attention, tree_attention
 from mtp_triton.tree import Tree
 
@@ -159,8 +160,8 @@ def test_per_sequence_masks_and_sm_scale(nan_alloc):
     assert_close(out, dense_sdpa(c, sm_scale=0.3), 2e-5, 2e-5, "per-sequence masks vs SDPA")
 
 
-@pytest.mark.parametrize("num_splits,block_m,block_n", [(3, None, None), (2, 16, 16), (1, 16, 64)],
-                         ids=["split3", "split2-M16-N16", "split1-M16-N64"])
+@pytest.mark.parametrize("num_splits,block_m,block_n", [(3, None, None), (2, 16, 16), (1, 16, 64), (5, 16, 16)],
+                         ids=["split3", "split2-M16-N16", "split1-M16-N64", "split5-bucket8-M16-N16"])
 def test_split_kv_and_small_tiles(num_splits, block_m, block_n, nan_alloc):
     """Split-KV (flash-decoding) with an empty split for short caches; query tiles that cut a node's G
     heads apart (G * T = 27 rows in 16-row tiles); key tiles smaller and larger than a block."""
@@ -168,6 +169,68 @@ def test_split_kv_and_small_tiles(num_splits, block_m, block_n, nan_alloc):
     out = _tree_attention(**c, num_splits=num_splits, block_m=block_m, block_n=block_n)
     assert_close(out, reference.tree_attention(**c), 2e-5, 2e-5, f"splits={num_splits}")
     assert_close(out, dense_sdpa(c), 2e-5, 2e-5, f"splits={num_splits} vs SDPA")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the split-KV heuristic (a pure function of the launch shape)
+# ---------------------------------------------------------------------------------------------------------
+LLAMA2, LLAMA3 = (32, 32, 128), (32, 8, 128)          # Hq, Hkv, Dh
+
+
+def _splits(programs, sms, capacity, T, model, **kw):
+    Hq, Hkv, Dh = model
+    return ta.choose_num_splits(programs, sms, capacity, T, Hq, Hkv, Dh, torch.bfloat16, **kw)
+
+
+def test_splits_fill_whole_waves():
+    """64 programs on 132 SMs, 2 resident per SM (a 264-program wave): 4 splits make 256 programs, 0.97 of a
+    wave; the old cdiv(2 * SMs, programs) = 5 made 320, 1.21 waves (the second one mostly idle)."""
+    S = _splits(64, 132, 8192, 1, LLAMA2, programs_per_sm=2)
+    assert S == 4
+    for programs in (1, 7, 32, 50, 100, 200):
+        for sms, k in ((132, 1), (132, 3), (108, 2)):
+            S = _splits(programs, sms, 32768, 1, LLAMA3, programs_per_sm=k)
+            wave = sms * k
+            busy = programs * S / (wave * -(-programs * S // wave))      # fraction of the waves' slots used
+            few = programs * ta.MAX_NUM_SPLITS < wave                           # even 32 splits leave SMs idle
+            if programs >= wave:
+                assert S == 1, (programs, sms, k, S)                        # a full grid is not split
+            else:
+                assert 1 <= S <= ta.MAX_NUM_SPLITS, (programs, k, S)
+                assert busy >= 0.8 or few and S >= 0.9 * ta.MAX_NUM_SPLITS, (programs, k, S)
+
+
+def test_splits_short_context_and_full_grid():
+    # 512 cached tokens (a 528-token table): 4 splits of 132 tokens, each at least two 64-key tiles
+    assert _splits(32, 132, 528, 1, LLAMA2, programs_per_sm=1) == 4
+    assert _splits(32, 132, 528, 1, LLAMA2, programs_per_sm=1, min_split_tokens=64) == 4   # 4 x 32 = a wave
+    assert _splits(32, 132, 200, 1, LLAMA2) == 1                                          # < 2 x 128 tokens
+    # a grid that already fills a wave is never split
+    assert _splits(264, 132, 8192, 1, LLAMA2, programs_per_sm=2) == 1
+    assert _splits(8 * 32, 132, 8192, 64, LLAMA2, programs_per_sm=1) == 1
+
+
+@pytest.mark.parametrize("model", [LLAMA2, LLAMA3], ids=["llama2-7b", "llama3-8b"])
+def test_splits_bound_partial_traffic(model):
+    """T = 64 at 8k context, batch 1 (32 programs of 64-row tiles, 1 per SM): the fp32 partials (write + read)
+    stay within MAX_PARTIAL_FRACTION of the KV bytes; at 512 context they would outweigh the cache: no split."""
+    Hq, Hkv, Dh = model
+    for capacity, expect_split in ((8256, True), (576, False)):
+        S = _splits(32, 132, capacity, 64, model, programs_per_sm=1)
+        kv = capacity * Hkv * Dh * 2 * 2
+        partials = S * 64 * Hq * (Dh + 1) * 4 * 2 if S > 1 else 0
+        assert partials <= ta.MAX_PARTIAL_FRACTION * kv
+        assert (S > 1) == expect_split, (capacity, S)
+    assert _splits(32, 132, 8256, 64, model, programs_per_sm=1, max_partial_fraction=0.0) == 1
+
+
+def test_splits_refuse_bad_arguments():
+    with pytest.raises(ValueError, match="programs"):
+        _splits(0, 132, 1024, 1, LLAMA2)
+    c = make_case([3], Tree.chain(1), 2, 1, 16, 16)
+    for bad in (0, ta.MAX_NUM_SPLITS + 1):
+        with pytest.raises(ValueError, match="num_splits"):
+            _tree_attention(**c, num_splits=bad)
 
 
 @pytest.mark.parametrize("block_m,block_n", [(None, None), (32, 16)], ids=["default-tiles", "M32-N16"])
@@ -293,10 +356,19 @@ def test_window_larger_than_context_is_no_window():
         assert torch.equal(fn(**c, window=50 + BUSHY.size), fn(**c)), fn.__module__
 
 
-NOT_ANCESTOR = torch.tensor([[1, 0, 0], [1, 1, 0], [0, 1, 1]], dtype=torch.bool)   # node 2 sees 1 but not 0
+def test_window_on_a_mask_that_is_not_a_tree(nan_alloc):
+    """The definition counts mask rows, whatever they hold: node 2 sees node 1 but not its parent 0
+    (depths 0, 1, 1); node 3 sees 0 and 2 (depth 2). The kernel follows the same definition."""
+    m = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    c = make_case([9, 30], None, 4, 2, 16, 16, per_seq_masks=[m, Tree.chain(3).mask])
+    for W in (1, 2, 3):
+        out = tree_attention(**c, window=W)
+        assert_close(out, reference.tree_attention(**c, window=W), 2e-5, 2e-5, f"W{W} vs reference")
+        assert_close(out, brute_force(c, W), 2e-5, 2e-5, f"W{W} vs brute force")
+
+
 BAD_WINDOW = {"zero": (0, ValueError, ">= 1"), "negative": (-3, ValueError, ">= 1"),
-              "float": (2.5, TypeError, "int"), "bool": (True, TypeError, "int"),
-              "not-ancestor-mask": (4, ValueError, "ancestor mask")}
+              "float": (2.5, TypeError, "int"), "bool": (True, TypeError, "int")}
 
 
 @pytest.mark.parametrize("fn", [tree_attention, reference.tree_attention], ids=["triton", "reference"])
@@ -304,9 +376,6 @@ BAD_WINDOW = {"zero": (0, ValueError, ">= 1"), "negative": (-3, ValueError, ">= 
 def test_bad_window(name, fn):
     window, exc, match = BAD_WINDOW[name]
     c = make_case([3, 20], Tree.chain(2), 4, 2, 16, 16)
-    if name == "not-ancestor-mask":
-        c["tree_mask"] = NOT_ANCESTOR.to(DEVICE)
-        fn(**c)                                         # without a window any reflexive lower-triangular mask is fine
     with pytest.raises(exc, match=match):
         fn(**c, window=window)
 
@@ -345,6 +414,67 @@ def test_bad_input(name, fn):
         fn(**_bad(name))
 
 
+# ---------------------------------------------------------------------------------------------------------
+# block tables: entries in use are real, unshared blocks; unused ones (-1) are never followed
+# ---------------------------------------------------------------------------------------------------------
+def _table_case():
+    """cache_lens 20 and 37 in 16-token blocks: 2 and 3 entries in use of 4 columns."""
+    return make_case([20, 37], Tree.chain(2), 4, 2, 16, 16)
+
+
+@pytest.mark.parametrize("fn", [tree_attention, reference.tree_attention], ids=["triton", "reference"])
+def test_table_entries_in_use_must_be_unshared_blocks(fn):
+    c = _table_case()
+    shared = dict(c, block_table=c["block_table"].clone())
+    shared["block_table"][1, 2] = shared["block_table"][0, 0]           # sequence 1 reads sequence 0's block
+    with pytest.raises(ValueError, match="in use twice"):
+        fn(**shared)
+    bad = dict(c, block_table=c["block_table"].clone())
+    bad["block_table"][0, 1] = -1                                       # sequence 0's second block: gone
+    with pytest.raises(ValueError, match=r"entries in use must be in \[0, \d+\): block_table\[0, 1\] = -1"):
+        fn(**bad)
+    # entries past a sequence's blocks are not read: -1, an id out of range, another row's id are all fine
+    loose = dict(c, block_table=c["block_table"].clone())
+    loose["block_table"][0, 2:] = torch.tensor([10 ** 6, int(c["block_table"][1, 0])], dtype=torch.int32)
+    loose["block_table"][1, 3] = -1
+    assert torch.equal(fn(**loose), fn(**c))
+
+
+def test_unchecked_bad_entries_are_skipped_by_triton_and_raise_in_the_twin():
+    """check_values=False, sequence 0's third block is -1 (and sequence 1's cache runs past the table): the
+    twin raises IndexError (it used to clamp -1 to block 0, silently); Triton leaves those positions out,
+    reading nothing outside the cache (a slice of a NaN-guarded buffer)."""
+    c = make_case([40, 9], Tree.chain(2), 4, 2, 16, 16)                  # 3 and 1 blocks in use
+    c["block_table"][0, 2] = -1                                          # positions 32..39 have no block
+    with pytest.raises(IndexError):
+        reference.tree_attention(**c, check_values=False)
+    NB = c["k_cache"].shape[0]
+    guarded = {n: poison((NB + 2,) + tuple(c[n].shape[1:]), c[n].dtype) for n in ("k_cache", "v_cache")}
+    for n in guarded:
+        guarded[n][1: NB + 1] = c[n]
+    ours = dict(c, k_cache=guarded["k_cache"][1: NB + 1], v_cache=guarded["v_cache"][1: NB + 1])
+    out = tree_attention(**ours, check_values=False)
+    cut = dict(c, cache_lens=torch.tensor([32, 9], dtype=torch.int32, device=DEVICE))   # what is left to see
+    assert_close(out, reference.tree_attention(**cut), 2e-5, 2e-5, "positions with no block left out")
+    # a cache_len past the table's width (2 columns = 32 tokens): the positions past it are left out
+    c = make_case([16, 40], Tree.chain(2), 4, 2, 16, 16)
+    c["block_table"] = c["block_table"][:, :2].contiguous()
+    with pytest.raises(IndexError):
+        reference.tree_attention(**c, check_values=False)
+    out = tree_attention(**c, check_values=False)
+    cut = dict(c, cache_lens=torch.tensor([16, 32], dtype=torch.int32, device=DEVICE))
+    assert_close(out, reference.tree_attention(**cut, check_values=False), 2e-5, 2e-5, "past the table's width")
+
+
+def test_docstring_example_runs():
+    """The module's example (a hand-computed row, a window, the split heuristic) runs as written."""
+    if DEVICE != "cpu":
+        pytest.skip("the example uses CPU tensors (Triton's interpreter)")
+    import doctest
+    result = doctest.testmod(ta)
+    assert result.attempted >= 10 and result.failed == 0, result
+
+
 def test_fp64_refused_by_kernel():
     c = make_case([3], Tree.chain(1), 2, 1, 16, 16, dtype=torch.float64)
     with pytest.raises(TypeError, match="fp64|float64"):
@@ -359,10 +489,30 @@ def test_fp64_refused_by_kernel():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
 @pytest.mark.parametrize("cache_lens,Hq,Hkv", [([1000, 0, 3000, 77], 32, 8), ([8191], 32, 32)],
                          ids=["B4-GQA4", "B1-MHA-split"])
-def test_gpu_llama_shapes(cache_lens, Hq, Hkv, dtype):
+@pytest.mark.parametrize("window", [None, 700], ids=["no-window", "W700"])
+def test_gpu_llama_shapes(cache_lens, Hq, Hkv, dtype, window):
     tree = Tree.from_choices(Tree.from_accuracies([[0.6 * 0.75 ** h * 0.5 ** r for r in range(10)]
                                                    for h in range(4)], 63).paths[1:])
     c = make_case(cache_lens, tree, Hq, Hkv, 128, 16, dtype)
-    out = tree_attention(**c)
+    out = tree_attention(**c, window=window)
     tol = {torch.float16: 2e-2, torch.bfloat16: 4e-2, torch.float32: 1e-4}[dtype]
-    assert_close(out, reference.tree_attention(**c), tol, tol, "GPU vs reference")
+    assert_close(out, reference.tree_attention(**c, window=window), tol, tol, "GPU vs reference")
+
+
+@pytest.mark.gpu
+def test_gpu_batch_and_capacity_do_not_recompile(monkeypatch):
+    """The split count is a run-time argument: new batch sizes and cache capacities (which change the split
+    count) reuse the compiled kernels; only SPLIT (split or not) and the combine's bucket are constexprs."""
+    cache = getattr(ta._tree_attention_kernel, "device_caches", None)
+    if cache is None:
+        pytest.skip("this Triton has no JITFunction.device_caches")
+    chosen, choose = [], ta.choose_num_splits
+    monkeypatch.setattr(ta, "choose_num_splits", lambda *a, **k: chosen.append(choose(*a, **k)) or chosen[-1])
+    before = sum(len(entry[0]) for entry in cache.values())
+    for B in (1, 2, 3, 5, 8):
+        for n in (40, 300, 1000, 4000):
+            c = make_case([n] * B, Tree.chain(3), 8, 2, 128, 16, torch.bfloat16)
+            tree_attention(**c, check_values=False)
+    new = sum(len(entry[0]) for entry in cache.values()) - before
+    assert len(set(chosen)) > 2, f"the cases should need several split counts, got {sorted(set(chosen))}"
+    assert new <= 2, f"{new} new variants of _tree_attention_kernel for split counts {sorted(set(chosen))}"

@@ -22,17 +22,23 @@ Offsets are int64 (a cache can exceed 2**31 elements).
 Input checks live here so this file can be copied alone (torch + triton only); the
 PyTorch twin in ``mtp_triton.reference`` imports them, so both reject the same inputs.
 
-Example:
+Example (on CPU: call mtp_triton.use_interpreter() or set TRITON_INTERPRET=1 before importing this file):
     >>> L, NB, BS, Hkv, Dh, B, T = 2, 8, 4, 2, 24, 2, 5
     >>> k_cache = torch.zeros(L, NB, BS, Hkv, Dh); v_cache = torch.zeros_like(k_cache)
     >>> k_tree = torch.randn(L, B, T, Hkv, Dh); v_tree = torch.randn_like(k_tree)
-    >>> block_table = torch.tensor([[5, 2, 7], [0, 3, 1]], dtype=torch.int32)
+    >>> block_table = torch.tensor([[5, 2, -1], [0, 3, 1]], dtype=torch.int32)   # -1: no block
     >>> cache_lens = torch.tensor([3, 6], dtype=torch.int32)           # seq 0 crosses into block 2
     >>> accept_nodes = torch.tensor([[0, 2, 4, -1, -1], [0, -1, -1, -1, -1]])
     >>> accept_len = torch.tensor([2, 0])
     >>> kv_append(k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, accept_nodes, accept_len)
     >>> bool((k_cache[:, 2, 0] == k_tree[:, 0, 2]).all())             # seq 0, j = 1 -> pos 4 = block 2, slot 0
     True
+
+    Sequence 0 owns 2 blocks (8 tokens): appending 3 tokens at position 7 would need a third.
+    >>> kv_append(k_cache, v_cache, block_table, torch.tensor([7, 6], dtype=torch.int32), k_tree, v_tree,
+    ...           accept_nodes, accept_len)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: kv_append: block_table entries in use must be in [0, 8): block_table[0, 2] = -1, but sequence 0 ...
 """
 import torch
 import triton
@@ -44,8 +50,9 @@ def check_kv_append_inputs(k_cache, v_cache, block_table, cache_lens, k_tree, v_
     """k_cache, v_cache [L, NB, BS, Hkv, Dh]; block_table [B, max_blocks] int32; cache_lens [B] int32;
     k_tree, v_tree [L, B, T, Hkv, Dh]; accept_nodes [B, T] int64; accept_len [B] int64 in [0, T).
 
-    Node accept_nodes[b, j] (j = 0..accept_len[b]) goes to position cache_lens[b] + j, so the block
-    table must hold cache_lens + accept_len + 1 tokens, and those nodes must be in [0, T).
+    Node accept_nodes[b, j] (j = 0..accept_len[b]) goes to position cache_lens[b] + j, so those nodes must be
+    in [0, T) and the entries in use, the first ceil((cache_lens[b] + accept_len[b] + 1) / BS) of row b,
+    must be block ids in [0, NB) (unused entries are -1), no block id in use twice.
     Returns the most tokens any sequence appends, max(accept_len) + 1 (0 when B == 0).
     The value checks cost one host sync in all (one .tolist()), not one per check.
     """
@@ -92,12 +99,17 @@ def check_kv_append_inputs(k_cache, v_cache, block_table, cache_lens, k_tree, v_
     blocks_used = torch.div(need + BS - 1, BS, rounding_mode="floor")    # [B] table entries in use
     cols = torch.arange(block_table.shape[1], device=block_table.device)
     in_use = cols[None, :] < blocks_used[:, None]                        # [B, max_blocks]
-    bad_len, bad_node, bad_cache_len, need_max, bad_block, max_accept = torch.stack([
+    ids = block_table.long()
+    bad_ids = in_use & ((ids < 0) | (ids >= NB))                         # -1 (no block) or out of range
+    unused = -1 - torch.arange(ids.numel(), device=ids.device).view_as(ids)   # distinct, all < 0
+    ranked = torch.where(in_use, ids, unused).flatten().sort().values
+    bad_len, bad_node, bad_cache_len, need_max, bad_block, shared, max_accept = torch.stack([
         ((accept_len < 0) | (accept_len >= T)).any().long(),
         ((nodes < 0) | (nodes >= T)).any().long(),
         (cache_lens < 0).any().long(),
         need.max(),
-        (in_use & ((block_table < 0) | (block_table >= NB))).any().long(),
+        bad_ids.any().long(),
+        ((ranked[1:] == ranked[:-1]) & (ranked[1:] >= 0)).any().long(),  # a block id in use twice
         accept_len.max(),
     ]).tolist()
     if bad_len:
@@ -110,11 +122,22 @@ def check_kv_append_inputs(k_cache, v_cache, block_table, cache_lens, k_tree, v_
         raise ValueError(f"{who}: block_table has room for {block_table.shape[1] * BS} tokens, but the "
                          f"append needs {need_max}")
     if bad_block:
-        raise ValueError(f"{who}: block_table entries in use must be in [0, {NB})")
+        b, c = bad_ids.nonzero()[0].tolist()
+        raise ValueError(f"{who}: block_table entries in use must be in [0, {NB}): block_table[{b}, {c}] = "
+                         f"{int(ids[b, c])}, but sequence {b} needs {int(blocks_used[b])} blocks for "
+                         f"{int(need[b])} tokens (-1 marks an entry with no block: give the sequence more blocks)")
+    if shared:
+        first = {}
+        for b, c in in_use.nonzero().tolist():
+            seen = first.setdefault(int(ids[b, c]), (b, c))
+            if seen != (b, c):
+                raise ValueError(f"{who}: block id {int(ids[b, c])} is in use twice, at block_table{list(seen)} "
+                                 f"and block_table{[b, c]}: no two sequences (or positions) may share a block")
     return max_accept + 1
 
 
-@triton.jit
+# batch size and cache size change between runs: not specialised on == 1 / divisibility by 16 (no recompiles)
+@triton.jit(do_not_specialize=["B", "NB", "max_blocks"])
 def _kv_append_kernel(
     k_cache_ptr, v_cache_ptr,        # [L, NB, BS, Hkv, Dh]  ROW = Hkv * Dh contiguous elements per slot
     k_tree_ptr, v_tree_ptr,          # [L, B, T, Hkv, Dh]
@@ -140,7 +163,13 @@ def _kv_append_kernel(
     src = ((layer * B + b) * T + node) * ROW                              # int64 element offset
     # where it goes: position pos of sequence b -> block block_table[b, pos // BS], slot pos % BS
     pos = tl.load(cache_lens_ptr + b).to(tl.int64) + j
-    blk = tl.load(block_table_ptr + b * max_blocks + pos // BS).to(tl.int64)
+    col = pos // BS
+    blk = tl.load(block_table_ptr + b * max_blocks + col, mask=(pos >= 0) & (col < max_blocks), other=-1)
+    blk = blk.to(tl.int64)
+    # unchecked inputs (check_values=False): a token with no valid block or node is dropped, so nothing
+    # outside the cache and the tree buffers is ever touched
+    if (blk < 0) | (blk >= NB) | (node < 0) | (node >= T):
+        return
     dst = ((layer * NB + blk) * BS + pos % BS) * ROW
 
     offs = chunk * BLOCK + tl.arange(0, BLOCK)                           # [BLOCK] within the [Hkv*Dh] row
@@ -198,6 +227,15 @@ def kv_append(k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, accept_
     block_table [B, max_blocks] int32; cache_lens [B] int32 (not changed); accept_nodes [B, T] int64;
     accept_len [B] int64. Returns None. Same signature and checks as ``mtp_triton.reference.kv_append``.
     The checks cost one host sync; ``_launch_kv_append`` skips them.
+
+    check_values=False (or ``_launch_kv_append``) trusts the values; with bad ones this kernel
+      * drops a token whose block-table entry is not a block id in [0, NB) (-1: the sequence has no block
+        there), whose column is past the table's width, or whose node id is outside [0, T): nothing is
+        stored for it, and nothing outside the cache is written;
+      * writes a token whose entry names another sequence's block (or a block two sequences share) into
+        that block, overwriting the other sequence's K/V without a word.
+    The twin raises IndexError in the first case (on CPU; on CUDA a device-side assert) and overwrites
+    like the kernel in the second. Only check_values=True refuses both.
     """
     n_tok = check_kv_append_inputs(k_cache, v_cache, block_table, cache_lens, k_tree, v_tree,
                                    accept_nodes, accept_len, values=check_values)

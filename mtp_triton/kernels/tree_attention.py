@@ -22,18 +22,19 @@ serves prefill (cache_len 0, a causal mask over hundreds of nodes).
 
 Sliding window (Mistral, Jiang et al. 2023; `sliding_window` in transformers): node i sits at position
 p_i = cache_len + depth_i, with depth_i = (number of True in tree_mask[b, i]) - 1. With a window W it sees
-cache position j only if p_i - j < W, and an ancestor a only if p_i - p_a < W (transformers: query q_idx
-sees kv_idx iff q_idx - kv_idx < sliding_window). The kernel first counts the depths of its rows (one pass
-over their mask rows), then streams only the cache tiles that hold a position some row can see
-(p >= cache_len + min depth - W + 1): older tiles are never read, and the split-KV chunks cover only that
-range. Tree keys are walked from the last tile back, counting per row the visible nodes already passed:
-for an ancestor mask that count is exactly depth_i - depth_a, so keys with count >= W are masked, and
-key tiles below min depth - W + 1 (a node's depth is at most its index) are skipped.
+cache position j only if p_i - j < W, and tree node a only if p_i - p_a < W (transformers: query q_idx
+sees kv_idx iff q_idx - kv_idx < sliding_window). The launcher counts the mask rows once (one reduction
+on the device); each program reads its rows' depths and streams only the cache tiles that hold a position
+some row can see (p >= cache_len + min depth - W + 1): older tiles are never read, and the split-KV
+chunks cover only that range. Tree keys a with depth_a <= min depth - W are never visible, and
+depth_a <= a, so key tiles before min depth - W + 1 are skipped too.
 
 Split-KV (flash-decoding, Dao et al. 2023): with few programs (batch 1, a handful of KV heads) the cache
-of every sequence is cut into NUM_SPLITS chunks handled by separate programs; each writes its normalised
+of every sequence is cut into n_splits chunks handled by separate programs; each writes its normalised
 partial output and log-sum-exp, and `_combine_splits_kernel` merges them:
     out = sum_s exp(lse_s - M) o_s / sum_s exp(lse_s - M),   M = max_s lse_s.
+The split count is a run-time argument (`choose_num_splits`: whole waves of programs, partial traffic
+bounded against the KV bytes), so new batch sizes or cache capacities never recompile a kernel.
 
 Dtypes: fp32, fp16, bf16 (fp32 accumulation; fp16/bf16 tensor-core dots on the GPU, fp32 dots on
 fp32 inputs and under the interpreter, whose bf16 arithmetic is broken). fp64 is refused with a
@@ -42,16 +43,31 @@ TypeError: use `mtp_triton.reference.tree_attention` (the engine's CPU path) for
 Input checks live here so this file can be copied alone (torch + triton only); the
 PyTorch twin in ``mtp_triton.reference`` imports them, so both reject the same inputs.
 
-Example:
+Example (on CPU: call mtp_triton.use_interpreter() or set TRITON_INTERPRET=1 before importing this file):
     >>> B, T, Hq, Hkv, Dh, BS = 2, 3, 4, 2, 16, 16
     >>> q = torch.randn(B, T, Hq, Dh)
     >>> k_cache, v_cache = torch.randn(2, 4, BS, Hkv, Dh).unbind(0)
-    >>> block_table = torch.tensor([[0, 1], [3, 2]], dtype=torch.int32)
+    >>> block_table = torch.tensor([[0, -1], [3, 2]], dtype=torch.int32)  # sequence 0 owns one block
     >>> cache_lens = torch.tensor([5, 17], dtype=torch.int32)
     >>> k_tree, v_tree = torch.randn(2, B, T, Hkv, Dh).unbind(0)
     >>> mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # root with two children
-    >>> tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, mask).shape
+    >>> out = tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, mask)
+    >>> out.shape
     torch.Size([2, 3, 4, 16])
+
+    The root of sequence 0, query head 0 (KV head 0): its 5 cached tokens (block 0) and itself.
+    >>> k = torch.cat([k_cache[0, :5, 0], k_tree[0, :1, 0]]); v = torch.cat([v_cache[0, :5, 0], v_tree[0, :1, 0]])
+    >>> torch.allclose(out[0, 0, 0], torch.softmax(k @ q[0, 0, 0] / Dh ** 0.5, dim=0) @ v, atol=1e-5)
+    True
+
+    A sliding window of 2: the root sits at position 5 and sees position 4 and itself only.
+    >>> out = tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, mask, window=2)
+    >>> torch.allclose(out[0, 0, 0], torch.softmax(k[4:] @ q[0, 0, 0] / Dh ** 0.5, dim=0) @ v[4:], atol=1e-5)
+    True
+
+    The split-KV count for Llama-2-7B at batch 1 (32 programs) on 132 SMs: 4 splits, 128 programs.
+    >>> choose_num_splits(32, 132, 8192, 1, 32, 32, 128, torch.bfloat16, programs_per_sm=1)
+    4
 """
 import functools
 import numbers
@@ -79,8 +95,8 @@ def check_tree_attention_inputs(q, k_cache, v_cache, block_table, cache_lens, k_
     q [B, T, Hq, Dh]; k_cache, v_cache [NB, BS, Hkv, Dh]; block_table [B, max_blocks] int32;
     cache_lens [B] int32; k_tree, v_tree [B, T, Hkv, Dh]; tree_mask [T, T] or [B, T, T] bool;
     window None or an int >= 1 (always checked). The block table must hold room for cache_lens + T tokens
-    (the step appends up to T). With a window the mask must also be an ancestor mask (row i = the row of
-    its parent, the last earlier node it sees, plus i itself): the kernel's window on tree keys relies on it.
+    (the step appends up to T). Entries in use, the first ceil(cache_lens[b] / BS) of row b (the blocks
+    read), must be block ids in [0, NB), none used twice; unused entries are -1 (any value is ignored).
     Returns the mask expanded to [B, T, T].
     """
     check_window(window)
@@ -132,36 +148,35 @@ def check_tree_attention_inputs(q, k_cache, v_cache, block_table, cache_lens, k_
         raise ValueError("tree_attention: tree_mask must be reflexive (every node sees itself)")
     if bool(mask.triu(1).any()):
         raise ValueError("tree_attention: tree_mask must be lower-triangular (a node sees only earlier nodes)")
-    if window is not None and not bool(_is_ancestor_mask(mask)):
-        raise ValueError("tree_attention: with a window, tree_mask must be an ancestor mask (each row = the row "
-                         "of its parent, the last earlier node it sees, plus the node itself)")
     if bool((cache_lens < 0).any()):
         raise ValueError("tree_attention: cache_lens must be >= 0")
     if int((cache_lens.long() + T).max()) > block_table.shape[1] * BS:
         raise ValueError(f"tree_attention: block_table has room for {block_table.shape[1] * BS} tokens, but "
                          f"cache_lens + T needs {int((cache_lens.long() + T).max())}")
-    needed = (cache_lens.long() + BS - 1) // BS  # blocks actually read per sequence
+    # block-table entries in use: the first ceil(cache_lens[b] / BS) of row b (the blocks this call reads)
+    blocks_used = (cache_lens.long() + BS - 1) // BS                     # [B]
     cols = torch.arange(block_table.shape[1], device=block_table.device)
-    used = block_table[cols[None, :] < needed[:, None]]
-    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= NB):
-        raise ValueError(f"tree_attention: block_table entries in use must be in [0, {NB})")
+    in_use = cols[None, :] < blocks_used[:, None]                        # [B, max_blocks]
+    ids = block_table.long()
+    bad_ids = in_use & ((ids < 0) | (ids >= NB))                         # -1 (no block) or out of range
+    unused = -1 - torch.arange(ids.numel(), device=ids.device).view_as(ids)   # distinct, all < 0
+    ranked = torch.where(in_use, ids, unused).flatten().sort().values
+    shared = (ranked[1:] == ranked[:-1]) & (ranked[1:] >= 0)              # a block id in use twice
+    bad_block, shared = torch.stack([bad_ids.any(), shared.any()]).tolist()     # one host sync
+    if bad_block:
+        b, c = bad_ids.nonzero()[0].tolist()
+        raise ValueError(f"tree_attention: block_table entries in use must be in [0, {NB}): block_table[{b}, {c}] "
+                         f"= {int(ids[b, c])}, but sequence {b} holds {int(cache_lens[b])} cached tokens in "
+                         f"{int(blocks_used[b])} blocks (-1 marks an entry with no block)")
+    if shared:
+        first = {}
+        for b, c in in_use.nonzero().tolist():
+            seen = first.setdefault(int(ids[b, c]), (b, c))
+            if seen != (b, c):
+                raise ValueError(f"tree_attention: block id {int(ids[b, c])} is in use twice, at block_table"
+                                 f"{list(seen)} and block_table{[b, c]}: no two sequences (or positions) may "
+                                 "share a block")
     return mask
-
-
-def _is_ancestor_mask(mask):
-    """Is the [B, T, T] reflexive lower-triangular mask the ancestor mask of a forest? (a 0-dim bool tensor)
-
-    parent(i) = the last j < i with mask[b, i, j] (none: i is a root). The mask is an ancestor mask iff every
-    row is its parent's row plus the node itself (by induction over i: the parent's row is already its
-    ancestor set). One gather, O(B T^2).
-    """
-    B, T, _ = mask.shape
-    idx = torch.arange(T, device=mask.device)
-    strict = mask & (idx[None, :] < idx[:, None])                                  # [B, T, T] j < i
-    parent = (strict * (idx + 1)).amax(-1) - 1                                     # [B, T], -1 = root
-    rows = mask.gather(1, parent.clamp(min=0)[..., None].expand(B, T, T))           # [B, T, T] parent's row
-    expected = (rows & (parent >= 0)[..., None]) | torch.eye(T, dtype=torch.bool, device=mask.device)
-    return (mask == expected).all()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -182,16 +197,21 @@ def _online_softmax_update(acc, m_i, l_i, s, v, INPUT_PRECISION: tl.constexpr):
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=["window"])
+# Triton specialises integer arguments on == 1 and on divisibility by 16, one compiled variant each. The
+# split count, the table width and the window change with batch size and cache capacity: not specialised,
+# so those never recompile. T is (a constant T = 1 and aligned mask rows save 30-50 registers for the
+# serial step and for trees of 16k nodes; at most three variants of T).
+@triton.jit(do_not_specialize=["NB", "max_blocks", "window", "n_splits"])
 def _tree_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, cache_lens_ptr, k_tree_ptr, v_tree_ptr, mask_ptr,
+    count_ptr,                                  # [B or 1, T] int32 |tree_mask row| = depth + 1 (window only)
     out_ptr, part_ptr, lse_ptr,
-    T, Hq, Hkv, Dh, max_blocks, qk_scale, window,
+    T, Hq, Hkv, Dh, NB, max_blocks, qk_scale, window, n_splits,
     stride_qb, stride_qt, stride_qh,            # q / out [B, T, Hq, Dh] (last stride 1)
     stride_cn, stride_cs, stride_ch,            # k_cache / v_cache [NB, BS, Hkv, Dh]
     stride_tb, stride_tt, stride_th,            # k_tree / v_tree [B, T, Hkv, Dh]
-    stride_mb,                                  # tree mask [B or 1, T, T] as bytes (0 when shared)
-    G: tl.constexpr, BS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    stride_mb, stride_cb,                       # tree mask [B or 1, T, T] as bytes, counts (0 when shared)
+    G: tl.constexpr, BS: tl.constexpr, SPLIT: tl.constexpr,   # SPLIT: write partials (n_splits > 1)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     COMPUTE_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_WINDOW: tl.constexpr,
 ):
@@ -224,23 +244,19 @@ def _tree_attention_kernel(
     lo = 0                                                                # first cache position read
     tree_lo = 0                                                           # first tree key read
     if USE_WINDOW:
-        n_seen = tl.zeros([BLOCK_M], tl.int32)
-        for start_j in range(0, last_node + 1, BLOCK_N):                  # lower-triangular: j <= t
-            j = start_j + tl.arange(0, BLOCK_N)
-            seen = tl.load(mask_row + j[None, :], mask=row_ok[:, None] & (j[None, :] < T), other=0) != 0
-            n_seen += tl.sum(seen.to(tl.int32), axis=1)
-        depth = n_seen - 1                                                # [M] depth_i = |mask row| - 1
+        depth = tl.load(count_ptr + b * stride_cb + t, mask=row_ok, other=1) - 1      # [M] |mask row| - 1
         pos_i = n_cached + depth                                          # [M] position of each row's node
         min_depth = tl.min(tl.where(row_ok, depth, T), axis=0)
         # row i sees cache positions >= pos_i - W + 1; the shallowest row reaches back furthest
         lo_seen = tl.maximum(n_cached + min_depth - window + 1, 0)
         lo = lo_seen // BLOCK_N * BLOCK_N
-        # an ancestor a is visible only if depth_a > depth_i - W, and depth_a <= a
+        # tree key a is visible only if depth_a > depth_i - W, and depth_a <= a (a lower-triangular row a
+        # holds at most a + 1 nodes): keys before min depth - W + 1 are never visible
         tree_lo = tl.maximum(min_depth - window + 1, 0) // BLOCK_N * BLOCK_N
 
     # ---- 1. the paged cache [lo, n_cached): all of it visible to every node, or the window's part ---------
     span = tl.maximum(n_cached - lo, 0)
-    chunk = tl.cdiv(tl.cdiv(span, NUM_SPLITS), BLOCK_N) * BLOCK_N        # this sequence's split size
+    chunk = tl.cdiv(tl.cdiv(span, n_splits), BLOCK_N) * BLOCK_N          # this sequence's split size
     start = lo + pid_s * chunk
     end = tl.minimum(start + chunk, n_cached)
     for start_n in range(start, end, BLOCK_N):
@@ -248,7 +264,10 @@ def _tree_attention_kernel(
         pos_ok = pos < end
         if USE_WINDOW:
             pos_ok = pos_ok & (pos >= lo_seen)                            # older positions: not even loaded
-        blk = tl.load(block_table_ptr + b * max_blocks + pos // BS, mask=pos_ok, other=0).to(tl.int64)
+        col = pos // BS                                                   # [N] block-table column
+        blk = tl.load(block_table_ptr + b * max_blocks + col, mask=pos_ok & (col < max_blocks), other=-1)
+        pos_ok = pos_ok & (blk >= 0) & (blk < NB)     # unchecked tables: a bad entry is skipped, never followed
+        blk = blk.to(tl.int64)
         kv_off = blk * stride_cn + (pos % BS) * stride_cs + kvh * stride_ch          # [N]
         kv_mask = pos_ok[:, None] & d_ok[None, :]
         k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
@@ -260,13 +279,10 @@ def _tree_attention_kernel(
         s = tl.where(vis, s, float("-inf"))
         acc, m_i, l_i = _online_softmax_update(acc, m_i, l_i, s, v, INPUT_PRECISION)
 
-    # ---- 2. the tree, under the ancestor mask (last split only), from the last key tile back --------------
-    # the mask is lower-triangular, so keys after the tile's last node are never visible: start there
-    tree_end = tl.where(pid_s == NUM_SPLITS - 1, last_node + 1, 0)
-    n_tiles = tl.cdiv(tl.maximum(tree_end - tree_lo, 0), BLOCK_N)
-    n_later = tl.zeros([BLOCK_M], tl.int32)                              # visible nodes after this tile
-    for k_tile in range(0, n_tiles):
-        start_j = tree_lo + (n_tiles - 1 - k_tile) * BLOCK_N
+    # ---- 2. the tree, under the ancestor mask (last split only) ------------------------------------------
+    # the mask is lower-triangular, so keys after the tile's last node are never visible: stop there
+    tree_end = tl.where(pid_s == n_splits - 1, last_node + 1, 0)
+    for start_j in range(tree_lo, tree_end, BLOCK_N):
         j = start_j + tl.arange(0, BLOCK_N)                               # [N] tree nodes
         j_ok = j < T
         kv_off = b * stride_tb + j.to(tl.int64) * stride_tt + kvh * stride_th
@@ -275,12 +291,8 @@ def _tree_attention_kernel(
         v = tl.load(v_tree_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
         vis = tl.load(mask_row + j[None, :], mask=row_ok[:, None] & j_ok[None, :], other=0) != 0   # [M, N]
         if USE_WINDOW:
-            # for an ancestor mask, depth_i - depth_a = number of visible nodes of row i after a
-            v32 = vis.to(tl.int32)
-            n_tile = tl.sum(v32, axis=1)                                  # [M]
-            after = n_later[:, None] + n_tile[:, None] - tl.cumsum(v32, axis=1)        # [M, N]
-            vis = vis & (after < window)
-            n_later += n_tile
+            depth_j = tl.load(count_ptr + b * stride_cb + j, mask=j_ok, other=1) - 1  # [N] key depths
+            vis = vis & (depth[:, None] - depth_j[None, :] < window)          # p_i - p_a < W
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
         s = tl.where(vis, s, float("-inf"))
         acc, m_i, l_i = _online_softmax_update(acc, m_i, l_i, s, v, INPUT_PRECISION)
@@ -289,10 +301,10 @@ def _tree_attention_kernel(
     l_safe = tl.where(l_i > 0, l_i, 1.0)        # l = 0 only for padding rows or an empty split
     o = acc / l_safe[:, None]
     o_mask = row_ok[:, None] & d_ok[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         tl.store(out_ptr + q_off[:, None] + d[None, :], o.to(out_ptr.dtype.element_ty), mask=o_mask)
     else:
-        # partials [NUM_SPLITS, B, T, Hq, Dh] fp32 and their log2-sum-exp [NUM_SPLITS, B, T, Hq]
+        # partials [n_splits, B, T, Hq, Dh] fp32 and their log2-sum-exp [n_splits, B, T, Hq]
         n_seq = tl.num_programs(1) // Hkv
         r = ((pid_s * n_seq + b) * T + t) * Hq + h                       # [M] row in the partials
         tl.store(part_ptr + r[:, None] * Dh + d[None, :], o, mask=o_mask)
@@ -300,13 +312,16 @@ def _tree_attention_kernel(
         tl.store(lse_ptr + r, lse, mask=row_ok)
 
 
-@triton.jit
-def _combine_splits_kernel(part_ptr, lse_ptr, out_ptr, R, Dh, NUM_SPLITS: tl.constexpr,
-                           BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """out[r] = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse); one program per output row."""
+@triton.jit(do_not_specialize=["R", "n_splits"])
+def _combine_splits_kernel(part_ptr, lse_ptr, out_ptr, R, Dh, n_splits, MAX_SPLITS: tl.constexpr,
+                           BLOCK_D: tl.constexpr):
+    """out[r] = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse); one program per output row.
+
+    n_splits (runtime) <= MAX_SPLITS, a power of two: one compiled variant per bucket 2, 4, ..., 32.
+    """
     r = tl.program_id(0).to(tl.int64)           # row (b, t, h) of out [B, T, Hq, Dh]
-    s = tl.arange(0, BLOCK_S)
-    s_ok = s < NUM_SPLITS
+    s = tl.arange(0, MAX_SPLITS)
+    s_ok = s < n_splits
     d = tl.arange(0, BLOCK_D)
     d_ok = d < Dh
     lse = tl.load(lse_ptr + s * R + r, mask=s_ok, other=float("-inf"))   # [S]; the last split is finite
@@ -329,21 +344,79 @@ def _interpreting():
 
 @functools.lru_cache(maxsize=None)
 def _num_sms(device_index):
+    """SM count of a CUDA device (a host-side property: no sync)."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _pick_num_splits(programs, max_cache_len, device):
-    """Flash-decoding heuristic: split the cache only when the grid would leave the GPU idle.
+MAX_NUM_SPLITS = 32      # split counts run 1..32; the combine kernel compiles once per power-of-two bucket
+MIN_SPLIT_TOKENS = 128   # two 64-key tiles per split, so one tile's loads can overlap the other's dots
+MAX_PARTIAL_FRACTION = 0.25
+SPLIT_TOLERANCE = 0.1
 
-    Aim for ~2 programs per SM, but give each split at least 256 cached tokens (fewer and the combine's
-    extra traffic and the per-split tree pass stop paying for themselves). CPU / interpreter: 1.
+
+def choose_num_splits(programs, num_sms, capacity, T, Hq, Hkv, Dh, dtype, *, programs_per_sm=2,
+                      min_split_tokens=MIN_SPLIT_TOKENS, max_partial_fraction=MAX_PARTIAL_FRACTION,
+                      tolerance=SPLIT_TOLERANCE, max_splits=MAX_NUM_SPLITS):
+    """Split-KV count S for a grid of `programs` (query tiles x sequences x KV heads) on `num_sms` SMs.
+
+    Occupancy model: programs run in waves of k * SMs (k = programs_per_sm resident at once, set by their
+    registers and shared memory), and the programs in flight share the HBM stream. S splits make P * S
+    programs with 1/S of the cache each, so in bytes at full bandwidth, per sequence,
+        cost(S) = KV * k*SMs * ceil(P*S / (k*SMs)) / (P*S)  +  partials(S)
+        KV = capacity * Hkv * Dh * 2 * elem (K and V);  partials(S) = S * T * Hq * (Dh + 1) * 4 * 2
+    (fp32 partial outputs and log-sum-exps, written, then read by the combine; 0 for S = 1). The first
+    factor is 1 for whole waves and k*SMs / (P*S) for a partly idle GPU. Admissible S:
+      * P < k * SMs: a grid that already fills a wave is not split;
+      * capacity / S >= min_split_tokens: shorter splits have no second tile to pipeline;
+      * partials(S) <= max_partial_fraction * KV: the model charges idle SMs their full share of bandwidth,
+        but one SM can stream more than that, so the sure extra traffic is capped;
+      * S <= max_splits.
+    Returns the fewest splits whose cost is within `tolerance` of the cheapest admissible one: more
+    programs, partials and combine work than that buy less than the model can resolve.
+    capacity: the block table's width in tokens (an upper bound on cache_lens known without a host sync;
+    the window + one tile when a sliding window is shorter). dtype: of the cache (its element size).
+    Pure (no device queries), so tests and audits can call it.
     """
-    if device.type != "cuda" or _interpreting():
+    if programs < 1 or num_sms < 1 or programs_per_sm < 1:
+        raise ValueError(f"choose_num_splits: programs ({programs}), num_sms ({num_sms}) and programs_per_sm "
+                         f"({programs_per_sm}) must be >= 1")
+    wave = programs_per_sm * num_sms
+    if programs >= wave:
         return 1
-    target = 2 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    if programs >= target:
-        return 1
-    return max(1, min(triton.cdiv(target, programs), max_cache_len // 256, 64))
+    kv = capacity * Hkv * Dh * 2 * dtype.itemsize
+    costs = {1: kv * wave / programs}
+    for S in range(2, max_splits + 1):
+        partials = S * T * Hq * (Dh + 1) * 4 * 2
+        if capacity < S * min_split_tokens or partials > max_partial_fraction * kv:
+            break                                           # both bounds only tighten as S grows
+        costs[S] = kv * wave * triton.cdiv(programs * S, wave) / (programs * S) + partials
+    best = min(costs.values())
+    return min(S for S, c in costs.items() if c <= (1 + tolerance) * best)
+
+
+def split_bucket(num_splits):
+    """MAX_SPLITS constexpr of the combine kernel for a split count: the next power of two (>= 2)."""
+    return max(2, triton.next_power_of_2(num_splits))
+
+
+# programs of each query-tile size that fit on one SM at once (registers x threads <= 64K, shared memory),
+# read off ahead-of-time compiles for sm_90 and sm_80 (bf16, Dh 128; see `_tiles`)
+_PROGRAMS_PER_SM = {16: 3, 32: 2, 64: 1}
+
+
+def _tiles(rows, interp):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages, programs per SM) for G * T = rows query rows per KV head.
+
+    GPU dots need every dim >= 16. Register budget, from ahead-of-time compiles (ptxas -v, cuobjdump) of
+    the Llama-2-7B / Llama-3-8B bf16 launches at B 1/8, T 1/16/64, context 512/8192: 64-row tiles with
+    4 warps sat at the 255 cap on sm_80 with 32-60 bytes of spills (and at 252-255 on sm_90 at odd T),
+    so they run 8 warps: 159-186 registers on sm_90, 152-188 on sm_80, no spills (at odd T the unsplit
+    variant still takes 254-255 on sm_80, without spills). 16-row tiles: 4 warps, 126-168 registers;
+    32-row tiles (odd T only): 4 warps, 242-246, no spills. The window variant adds up to ~25.
+    """
+    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    block_n = 32 if interp else 64
+    return block_m, block_n, 8 if block_m == 64 else 4, 2, _PROGRAMS_PER_SM[block_m]
 
 
 def _tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask, sm_scale=None,
@@ -365,24 +438,32 @@ def _tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree
     scale = Dh ** -0.5 if sm_scale is None else float(sm_scale)
     interp = _interpreting()
 
-    # tiles: the G * T rows of one KV head in query tiles of BLOCK_M; GPU dots need every dim >= 16
-    block_m = block_m or min(64, max(16, triton.next_power_of_2(G * T)))
-    block_n = block_n or (32 if interp else 64)
+    # tiles: the G * T rows of one KV head in query tiles of BLOCK_M
+    auto_m, auto_n, num_warps, num_stages, per_sm = _tiles(G * T, interp)
+    block_m, block_n = block_m or auto_m, block_n or auto_n
     block_d = max(16, triton.next_power_of_2(Dh))
     num_m = triton.cdiv(G * T, block_m)
     if num_splits is None:
-        # sized by the block table's capacity (an upper bound on every cache_len, known without a host
-        # sync), or by the window when it is shorter; splits past a sequence's range hold only the tree
+        # from shapes only (no host sync, CUDA-graph safe): the table's width bounds every cache_len, and
+        # a shorter window bounds the range a program reads; the interpreter runs one split
         capacity = block_table.shape[1] * BS
         if window is not None:
             capacity = min(capacity, window + block_n)      # + one tile: the range starts tile-aligned
-        num_splits = _pick_num_splits(num_m * B * Hkv, capacity, q.device)
-    if num_splits < 1:
-        raise ValueError(f"tree_attention: num_splits must be >= 1, got {num_splits}")
+        num_splits = 1
+        if not interp:
+            sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
+            num_splits = choose_num_splits(num_m * B * Hkv, sms, capacity, T, Hq, Hkv, Dh, k_cache.dtype,
+                                           programs_per_sm=per_sm)
+    if not 1 <= num_splits <= MAX_NUM_SPLITS:
+        raise ValueError(f"tree_attention: num_splits must be in [1, {MAX_NUM_SPLITS}], got {num_splits}")
 
     # the mask as bytes, [T, T] shared by the batch (batch stride 0) or [B, T, T]
     mask = tree_mask.contiguous().view(torch.uint8)
     stride_mb = 0 if mask.dim() == 2 else T * T
+    # with a window: depth + 1 of every node, one reduction on the device (no sync; the kernel would
+    # otherwise re-count every key's mask row in every program)
+    counts = tree_mask.sum(-1, dtype=torch.int32) if window is not None else cache_lens   # [B or 1, T]
+    stride_cb = 0 if mask.dim() == 2 else T
     # fp32 inputs: exact fp32 dots (tf32 would cost ~1e-3 relative error); interpreter: fp32 (bf16 math broken)
     compute = tl.float32 if interp else _COMPUTE[q.dtype]
     precision = "ieee" if compute == tl.float32 else "tf32"
@@ -395,21 +476,21 @@ def _tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree
         part = lse = out                        # unused
     grid = (num_m, B * Hkv, num_splits)
     _tree_attention_kernel[grid](
-        q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, mask, out, part, lse,
-        T, Hq, Hkv, Dh, block_table.shape[1], scale * 1.4426950408889634,       # log2(e): softmax in base 2
-        window or 0,
+        q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, mask, counts, out, part, lse,
+        T, Hq, Hkv, Dh, k_cache.shape[0], block_table.shape[1], scale * 1.4426950408889634,   # log2(e): base 2
+        window or 0, num_splits,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         k_tree.stride(0), k_tree.stride(1), k_tree.stride(2),
-        stride_mb,
-        G=G, BS=BS, NUM_SPLITS=num_splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        stride_mb, stride_cb,
+        G=G, BS=BS, SPLIT=num_splits > 1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         COMPUTE_DTYPE=compute, INPUT_PRECISION=precision, USE_WINDOW=window is not None,
-        num_warps=4, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         R = B * T * Hq
-        _combine_splits_kernel[(R,)](part, lse, out, R, Dh, NUM_SPLITS=num_splits,
-                                     BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_D=block_d)
+        _combine_splits_kernel[(R,)](part, lse, out, R, Dh, num_splits, MAX_SPLITS=split_bucket(num_splits),
+                                     BLOCK_D=block_d)
     return out
 
 
@@ -424,14 +505,20 @@ def tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree,
     GQA: query head h uses KV head h // (Hq // Hkv). Returns out [B, T, Hq, Dh] in q's dtype.
     window: None (every cached token visible) or W >= 1 (Mistral's sliding_window): node i at position
     p_i = cache_lens[b] + depth_i (depth_i = tree_mask[b, i].sum() - 1) sees cache position j iff p_i - j < W
-    and an ancestor a iff p_i - p_a < W; cache tiles outside every row's window are not read. With a window
-    the mask must be an ancestor mask (checked with the values): the kernel counts depth_i - depth_a as the
-    visible nodes of row i after a, which is the same thing only for an ancestor mask.
+    and an ancestor a iff p_i - p_a < W; cache tiles outside every row's window are not read.
     fp32 / fp16 / bf16; fp64 raises TypeError. Same inputs are rejected as by the reference.
-    The split-KV count is chosen from the grid size and the block table's capacity (no host sync).
+    The split-KV count comes from `choose_num_splits` (grid size, SM count, the block table's capacity:
+    no host sync, and a run-time argument, so new batch sizes and capacities do not recompile).
     check_values=False skips the checks that read tensor values (mask structure, cache lengths, block ids:
     host syncs on a GPU); shapes, dtypes and devices are always checked. For callers that built the inputs
-    themselves (the engine's hot loop).
+    themselves (the engine's hot loop). With bad values this kernel
+      * leaves out of the softmax every cached position whose block-table entry is not a block id in
+        [0, NB) (-1: no block) or lies past the table's width: silently wrong output, but nothing outside
+        the cache is read;
+      * reads an entry naming another sequence's block as this sequence's (silently wrong output).
+    The twin raises IndexError in the first case (on CPU; on CUDA a device-side assert) and reads the
+    foreign block like the kernel in the second. Other bad values (a mask that is not reflexive and
+    lower-triangular, negative cache_lens) give undefined output, still without out-of-bounds reads.
     """
     return _tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask, sm_scale,
                            check_values=check_values, window=window)
