@@ -15,6 +15,8 @@ import torch
 from mtp_triton import corpus
 from mtp_triton.heads import load_heads
 from mtp_triton.train_heads import build_llama, greedy_continue, main, simulate_tau
+from mtp_triton.training import frozen as frozen_recipe
+from mtp_triton.training.loop import Loop
 from mtp_triton.tree import Tree
 
 FILES = ["textwrap.py", "json/decoder.py", "json/encoder.py", "shlex.py", "fnmatch.py", "colorsys.py"]
@@ -97,6 +99,90 @@ def test_frozen_recipe(setup, joint_run, targets):
     assert 1.0 <= g["tau_simulated"]["chain-2"]["tau"] <= 3.0 and 0 < g["distinct_ratio"] <= 1
     assert "chain-4" not in g["tau_simulated"]    # deeper than the 3 heads: skipped
     assert m["thirdparty_greedy"]["prompts"] == 2 and "tuned-16" in m["thirdparty_greedy"]["tau_simulated"]
+
+
+@pytest.fixture
+def loop_runs(monkeypatch):
+    """Every Loop.run call: the loop's name, its recorder, and the step it starts from (> 0: resumed)."""
+    calls, run = [], Loop.run
+
+    def spy(self, step_fn, recorder=None, **hooks):
+        calls.append({"desc": self.cfg.desc, "recorder": recorder, "start": self.step})
+        return run(self, step_fn, recorder, **hooks)
+    monkeypatch.setattr(Loop, "run", spy)
+    return calls
+
+
+def as_csv(rows):
+    """Rows as they read back from the curve CSV (every column, strings, blanks for None / missing)."""
+    keys = []
+    for r in rows:
+        keys += [k for k in r if k not in keys]
+    return [{k: "" if r.get(k) is None else str(r[k]) for k in keys} for r in rows]
+
+
+def test_both_recipes_run_on_the_one_loop(setup, joint_run, tmp_path, loop_runs):
+    # joint: 4 steps with a checkpoint, then the same checkpoint with a 6-step budget continues at step 4
+    out, ckpt = str(tmp_path / "model"), str(tmp_path / "joint.ckpt")
+    joint = ["joint", "--tokenizer", setup["tok"], "--out", out, "--data", *setup["files"], *TINY, "--num-heads", "2",
+             "--log-every", "2", "--eval-every", "2", "--val-windows", "2", "--checkpoint", ckpt]
+    main(joint + ["--steps", "4"])
+    m = main(joint + ["--steps", "6"])
+    assert m["steps"] == 6 and m["tokens"] == 6 * 4 * 32
+    heads = str(tmp_path / "heads")
+    main(["frozen", "--model", joint_run[0], "--out", heads, "--data", *setup["files"], "--num-heads", "2",
+          "--real-windows", "4", "--prompt-len", "8", "--seq-len", "32", "--batch", "4", "--steps", "4",
+          "--log-every", "2", "--val-windows", "2", "--eval-generated", "1", "--eval-new-tokens", "8", "--top-k", "2",
+          "--threads", "1", "--progress-interval", "100"])
+    assert [(c["desc"], c["recorder"].name, c["start"]) for c in loop_runs] == [
+        ("joint", "train_joint", 0), ("joint", "train_joint", 4), ("frozen", "train_frozen", 0)]
+    for call, folder in zip(loop_runs[1:], (out, heads)):       # the curve CSV holds exactly the Loop's rows
+        rows = read_curve(os.path.join(folder, f"{call['recorder'].name}_curve.csv"))
+        assert rows == as_csv(call["recorder"].rows)
+        assert list(rows[0])[:6] == ["recipe", "step", "tokens", "elapsed_s", "lr", "loss"]
+    joint_rows = loop_runs[1]["recorder"].rows
+    assert [r["step"] for r in joint_rows] == [1, 2, 4, 6, 6]   # rows 1-4 come back from the checkpoint; 6 + final
+    assert [r.get("val_ntp") is not None for r in joint_rows] == [False, True, True, True, True]   # on_log: eval
+    assert [r["step"] for r in loop_runs[2]["recorder"].rows] == [1, 2, 4]
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_frozen_run_resumes_from_its_checkpoint(setup, joint_run, tmp_path, monkeypatch, loop_runs):
+    # a run killed during step 6 (checkpoints after every step), rerun with the same checkpoint, continues at
+    # step 5 and ends exactly where an uninterrupted run ends: same heads, same curve
+    def frozen(out, *extra):
+        return main(["frozen", "--model", joint_run[0], "--out", str(tmp_path / out), "--data", *setup["files"],
+                     "--num-heads", "2", "--real-windows", "4", "--self-generated", "2", "--prompt-len", "8",
+                     "--seq-len", "32", "--batch", "4", "--steps", "12", "--lr", "1e-2", "--warmup", "3",
+                     "--log-every", "2", "--val-windows", "2", "--eval-generated", "1", "--eval-new-tokens", "8",
+                     "--top-k", "2", "--threads", "1", "--progress-interval", "100", *extra])
+    losses, steps = frozen_recipe.frozen_head_losses, []
+
+    def counted(*a, crash_at=None, backward=True, **kw):
+        if backward:                                 # a training step (the held-out KL has backward=False)
+            steps.append(1)
+            if len(steps) == crash_at:
+                raise Interrupted
+        return losses(*a, backward=backward, **kw)
+    ckpt = ["--checkpoint", str(tmp_path / "frozen.ckpt"), "--save-every-minutes", "1e-9"]
+    monkeypatch.setattr(frozen_recipe, "frozen_head_losses", lambda *a, **kw: counted(*a, crash_at=6, **kw))
+    with pytest.raises(Interrupted):
+        frozen("resumed", *ckpt)
+    monkeypatch.setattr(frozen_recipe, "frozen_head_losses", counted)
+    steps.clear()
+    m = frozen("resumed", *ckpt)
+    assert loop_runs[-1]["start"] == 5 and len(steps) == 12 - 5 and m["steps"] == 12
+    steps.clear()
+    frozen("straight")
+    assert loop_runs[-1]["start"] == 0 and len(steps) == 12
+    a, b = load_heads(str(tmp_path / "resumed")), load_heads(str(tmp_path / "straight"))
+    assert torch.equal(a.res_weight, b.res_weight) and torch.equal(a.res_bias, b.res_bias)
+    ra, rb = (read_curve(str(tmp_path / d / "train_frozen_curve.csv")) for d in ("resumed", "straight"))
+    drop = lambda rows: [{k: v for k, v in r.items() if k != "elapsed_s"} for r in rows]    # noqa: E731
+    assert [r["step"] for r in ra] == ["1", "2", "4", "6", "8", "10", "12"] and drop(ra) == drop(rb)
 
 
 def test_greedy_continue_matches_hf_generate(joint_run):

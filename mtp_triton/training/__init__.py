@@ -1,2 +1,10 @@
-"""Training MTP heads: self-distillation data (`answers`), the frozen-base recipe on cached hidden states
-(`frozen`), and the shared loop (`loop`). The command line is `python -m mtp_triton train_heads`."""
+"""Training MTP heads. The command line is `python -m mtp_triton train_heads` (mtp_triton/train_heads.py).
+
+    loop.py      the one training loop both recipes run on (AdamW, schedule, budgets, rows, checkpoints)
+    data.py      text files -> token streams -> random windows; prompt files
+    hidden.py    what the heads read: the base's hidden states, greedy tokens and continuations; z_h
+    joint.py     recipe 1: a small Llama and its heads trained together (MTP loss)
+    frozen.py    recipe 2: heads self-distilled on a frozen base's cached hidden states (soft / hard)
+    evaluate.py  head top-k accuracy, simulated and measured tau (the `eval` subcommand)
+    answers.py   self-distillation data: the base's own answers to chat prompts
+"""
