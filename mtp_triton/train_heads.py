@@ -43,6 +43,7 @@ from mtp_triton.training.loop import Recorder, lr_at, plot_curve, plot_curve_csv
 SUBCOMMANDS = {
     "joint": ("mtp_triton.training.joint", "train_joint", "train a small Llama and its heads together (MTP loss)"),
     "frozen": ("mtp_triton.training.frozen", "train_frozen", "self-distil heads for a frozen base (Medusa-1)"),
+    "distill": ("mtp_triton.training.distill", "run", "heads for a frozen chat model from its own answers (SmolLM2)"),
     "eval": ("mtp_triton.training.evaluate", "measure_tau",
              "measure tau with mtp_triton.generate (greedy) per tree on a prompt file"),
 }

@@ -231,16 +231,24 @@ def new_heads(model, num_heads, token_map):
 
 
 def run(args):
-    """The `distill` subcommand: answers -> vocab -> cache -> train -> measure -> save heads (+ records)."""
+    """The `distill` subcommand: answers -> vocab -> cache -> train -> measure -> choose the tree -> save."""
     import mtp_triton as mt
+    from . import measure
     torch.set_num_threads(args.threads)
     t0 = time.time()
     model = mt.load_model(args.model, dtype=torch.bfloat16)
     tok = mt.load_tokenizer(args.model)
+    hf = None
+    if args.answers_by == "transformers":
+        from ..loading import transformers_model
+        hf = transformers_model(args.model, dtype=torch.bfloat16)
     os.makedirs(args.work, exist_ok=True)
+    records = args.records or os.path.join(args.out, "records")
     prompts = read_prompts(args.prompts)
     answers_file = os.path.join(args.work, "answers.jsonl")
-    write_answers(model, tok, prompts, answers_file, args.max_new_tokens, args.sample_share, batch=args.gen_batch)
+    write_answers(model, tok, prompts, answers_file, args.max_new_tokens, args.sample_share, batch=args.gen_batch,
+                  hf=hf)
+    del hf
     t_answers = time.time() - t0
     rows = read_answers(answers_file, {r["id"] for r in prompts})
     token_map = draft_vocab(rows, args.vocab, always=[tok.eos_token_id])
@@ -253,37 +261,64 @@ def run(args):
     t_cache = time.time() - t0 - t_answers
     heads = new_heads(model, args.num_heads, token_map)
     steps, train_s = train(heads, model, cache, args.minutes, batch=args.batch, lr=args.lr, seed=args.seed,
-                           checkpoint=os.path.join(args.work, "heads-ckpt.pt"), out_dir=args.records or args.out)
+                           checkpoint=os.path.join(args.work, "heads-ckpt.pt"), out_dir=records)
     del cache
+
+    # held-out: this engine's own greedy answers (what MTP must reproduce), on both held-out sets
+    t1 = time.time()
+    held = {}
+    for name, path in (("templated", args.heldout), ("chat", args.heldout_chat)):
+        hp = read_prompts(path)
+        f = os.path.join(args.work, f"heldout-{name}.jsonl")
+        write_answers(model, tok, hp, f, args.eval_new_tokens, sample_share=0.0, batch=args.gen_batch)
+        held[name] = read_answers(f, {r["id"] for r in hp})
+    trees = {n: mt.get_tree(n, args.num_heads) for n in ("chain-2", "chain-3", "chain-4", "medusa-8", "medusa-16",
+                                                        "medusa-32")}
+    ev = {name: measure.evaluate_heads(model, heads, r, trees) for name, r in held.items()}
+    acc = ev["templated"]["all"]["acc"]
+    tree, table = measure.choose_tree(model, heads, held["templated"], acc=acc)
+    for name in ev:                             # the chosen tree's tau on every held-out set and category
+        for cat, e in ev[name].items():
+            part = held[name] if cat == "all" else [r for r in held[name] if r.get("category") == cat]
+            c = build_cache(model, [r for r in part if r["mode"] == "greedy"], token_map, 1, num_heads=args.num_heads)
+            e["tau"]["chosen"] = simulate_tau(head_ranks(heads, model, c), lengths_of(part), tree)
+    t_measure = time.time() - t1
+    heads.tree = [list(p) for p in tree.paths[1:]]
     info = dict(model=args.model, prompts=args.prompts, answers=len(rows), answer_tokens=sum(lengths_of(rows)),
-                draft_vocab=len(token_map), coverage_train=coverage(rows, token_map), steps=steps,
-                seconds=dict(answers=round(t_answers, 1), cache=round(t_cache, 1), train=round(train_s, 1)),
+                answers_by=args.answers_by, draft_vocab=len(token_map), coverage_train=coverage(rows, token_map),
+                coverage_heldout={n: coverage(r, token_map) for n, r in held.items()}, steps=steps,
+                seconds=dict(answers=round(t_answers, 1), cache=round(t_cache, 1), train=round(train_s, 1),
+                             measure=round(t_measure, 1), total=round(time.time() - t0, 1)),
+                threads=torch.get_num_threads(), heldout=ev, tree_nodes=tree.size,
                 config={k: v for k, v in vars(args).items() if k != "func"})
-    heads.save(args.out, recipe="distill", base=args.model, note="self-distilled on a frozen base from its own "
-               "answers; head h predicts token t + h + 2")
-    write_json(os.path.join(args.records or args.out, "train_distill.json"), info)
-    print(json.dumps({k: info[k] for k in ("answers", "answer_tokens", "draft_vocab", "coverage_train", "steps")}))
+    heads.save(args.out, recipe="distill", base=args.model, tuning=table,
+               note="self-distilled on a frozen base from its own answers; head h predicts token t + h + 2")
+    write_json(os.path.join(records, "train_distill.json"), info)
+    print(json.dumps({k: info[k] for k in ("answers", "answer_tokens", "draft_vocab", "coverage_train", "steps",
+                                           "tree_nodes", "seconds")}))
     return info
 
 
-def add_parser(sub):
-    """Register `distill` on the train_heads command line."""
-    sp = sub.add_parser("distill", help="heads for a frozen chat model from its own answers (SmolLM2 recipe)")
+def add_arguments(sp):
+    """The `distill` options (registered in mtp_triton/train_heads.py)."""
     sp.add_argument("--model", default="smollm2-135m-instruct")
     sp.add_argument("--prompts", default=os.path.join("data", "chat", "train.jsonl"))
+    sp.add_argument("--heldout", default=os.path.join("data", "chat", "heldout_templated.jsonl"))
+    sp.add_argument("--heldout-chat", default=os.path.join("data", "chat", "heldout_chat.jsonl"))
     sp.add_argument("--work", default=os.path.join("runs", "smollm2"), help="answers, cache and checkpoints")
     sp.add_argument("--out", default=os.path.join("data", "smollm2-135m-instruct-heads"))
-    sp.add_argument("--records", default=None)
+    sp.add_argument("--records", default=None, help="default: <out>/records")
+    sp.add_argument("--answers-by", default="transformers", choices=["transformers", "engine"],
+                    help="who writes the training answers (held-out answers always come from this engine)")
     sp.add_argument("--num-heads", type=int, default=4)
     sp.add_argument("--vocab", type=int, default=8192, help="draft vocabulary size")
     sp.add_argument("--top-k", type=int, default=16, help="soft targets kept per position")
     sp.add_argument("--max-new-tokens", type=int, default=256)
+    sp.add_argument("--eval-new-tokens", type=int, default=192)
     sp.add_argument("--sample-share", type=float, default=0.4)
     sp.add_argument("--gen-batch", type=int, default=32)
     sp.add_argument("--minutes", type=float, default=30.0, help="training time budget")
-    sp.add_argument("--batch", type=int, default=512)
+    sp.add_argument("--batch", type=int, default=1024)
     sp.add_argument("--lr", type=float, default=2e-3)
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--threads", type=int, default=2)
-    sp.set_defaults(func=run)
-    return sp
