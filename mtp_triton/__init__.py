@@ -13,6 +13,7 @@ from .heads import MTPHeads, init_heads, load_heads
 from .loading import load_model, load_tokenizer
 from .model import LlamaEngine, ModelConfig
 from .tree import PRESETS, Tree, get_tree
+from .version import package_hash
 
 _KERNELS = {"fused_draft": "drafting", "tree_attention": "tree_attention", "tree_accept": "accept",
             "tree_accept_sample": "accept", "kv_append": "kv_append"}
@@ -27,5 +28,5 @@ def __getattr__(name):
 
 __all__ = ["reference", "generate", "GenerateResult", "GenerateStats", "RuntimeConfig", "MTPHeads", "init_heads",
            "load_heads", "LlamaEngine", "ModelConfig", "load_model", "load_tokenizer", "Tree", "PRESETS", "get_tree",
-           "use_interpreter", *_KERNELS]
+           "use_interpreter", "package_hash", *_KERNELS]
 __version__ = "0.1.0"
