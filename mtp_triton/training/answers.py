@@ -28,7 +28,10 @@ def read_prompts(path):
 
 
 def chat_ids(tok, text, system=None):
-    """Token ids of one user turn in the model's chat template, ending where the assistant's answer starts."""
+    """Token ids of one user turn in the model's chat template, ending where the assistant's answer starts
+    (a tokenizer without a chat template: the text itself)."""
+    if not getattr(tok, "chat_template", None):
+        return list(tok(text)["input_ids"])
     msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
     out = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
     return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
@@ -109,7 +112,8 @@ def write_answers(model, tok, rows, path, max_new_tokens=256, sample_share=0.4, 
                 answers = generate(model, prompts, max_new_tokens, **kw).tokens
             for (r, m, s), p, ans in zip(part, prompts, answers):
                 f.write(json.dumps(dict(id=r["id"], category=r.get("category"), mode=m, seed=s,
-                                        prompt_ids=p, answer_ids=ans)) + "\n")
+                                        by="transformers" if hf is not None else "engine", prompt_ids=p,
+                                        answer_ids=ans)) + "\n")
             f.flush()
             written += len(part)
             if bar:

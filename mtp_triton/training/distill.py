@@ -236,7 +236,7 @@ def run(args):
     from . import measure
     torch.set_num_threads(args.threads)
     t0 = time.time()
-    model = mt.load_model(args.model, dtype=torch.bfloat16)
+    model = mt.load_model(args.model, device="cpu", dtype=torch.bfloat16)
     tok = mt.load_tokenizer(args.model)
     hf = None
     if args.answers_by == "transformers":
@@ -272,11 +272,13 @@ def run(args):
         f = os.path.join(args.work, f"heldout-{name}.jsonl")
         write_answers(model, tok, hp, f, args.eval_new_tokens, sample_share=0.0, batch=args.gen_batch)
         held[name] = read_answers(f, {r["id"] for r in hp})
-    trees = {n: mt.get_tree(n, args.num_heads) for n in ("chain-2", "chain-3", "chain-4", "medusa-8", "medusa-16",
-                                                        "medusa-32")}
+    trees = {n: mt.get_tree(n) for n in ("chain-2", "chain-3", "chain-4", "chain-8", "medusa-8", "medusa-16",
+                                         "medusa-32")}
+    trees = {n: t for n, t in trees.items() if t.max_depth <= args.num_heads}
     ev = {name: measure.evaluate_heads(model, heads, r, trees) for name, r in held.items()}
     acc = ev["templated"]["all"]["acc"]
-    tree, table = measure.choose_tree(model, heads, held["templated"], acc=acc)
+    budgets = tuple(int(b) for b in args.budgets.split(","))
+    tree, table = measure.choose_tree(model, heads, held["templated"], budgets=budgets, acc=acc)
     for name in ev:                             # the chosen tree's tau on every held-out set and category
         for cat, e in ev[name].items():
             part = held[name] if cat == "all" else [r for r in held[name] if r.get("category") == cat]
@@ -285,7 +287,7 @@ def run(args):
     t_measure = time.time() - t1
     heads.tree = [list(p) for p in tree.paths[1:]]
     info = dict(model=args.model, prompts=args.prompts, answers=len(rows), answer_tokens=sum(lengths_of(rows)),
-                answers_by=args.answers_by, draft_vocab=len(token_map), coverage_train=coverage(rows, token_map),
+                answers_by=dict(collections.Counter(r.get("by", "unrecorded") for r in rows)), draft_vocab=len(token_map), coverage_train=coverage(rows, token_map),
                 coverage_heldout={n: coverage(r, token_map) for n, r in held.items()}, steps=steps,
                 seconds=dict(answers=round(t_answers, 1), cache=round(t_cache, 1), train=round(train_s, 1),
                              measure=round(t_measure, 1), total=round(time.time() - t0, 1)),
@@ -323,3 +325,4 @@ def add_arguments(sp):
     sp.add_argument("--lr", type=float, default=2e-3)
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--threads", type=int, default=2)
+    sp.add_argument("--budgets", default="1,2,3,4,6,8,12,16,24,32", help="tree sizes (drafts) to choose from")

@@ -1,0 +1,90 @@
+"""The distillation recipe's pieces on the tiny model: draft vocabulary, the cache, tau simulation against real
+decoding, and a whole (tiny) `train_heads distill` run whose heads decode losslessly."""
+import json
+import os
+
+import pytest
+import torch
+
+import mtp_triton as mt
+from mtp_triton.training import distill
+from mtp_triton.training.answers import write_answers
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "data", "tiny-stdlib-llama")
+TEXTS = ["def add(a, b):\n    return", "import os\n\ndef list_files(path):\n", "class Stack:\n    def __init__(self):\n",
+         "for i in range(10):\n    print(", "def fib(n):\n    if n < 2:\n"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    model = mt.load_model(TINY, device="cpu")
+    tok = mt.load_tokenizer(TINY)
+    heads = mt.load_heads(os.path.join(TINY, "heads"))
+    rows = [dict(id=f"p{i}", category="code", text=t) for i, t in enumerate(TEXTS)]
+    path = str(tmp_path_factory.mktemp("answers") / "answers.jsonl")
+    write_answers(model, tok, rows, path, max_new_tokens=40, sample_share=0.0, batch=8, progress=False)
+    return model, tok, heads, distill.read_answers(path)
+
+
+def test_draft_vocab_is_the_most_frequent_tokens_increasing():
+    rows = [dict(answer_ids=[5, 5, 5, 7, 7, 9, 11]), dict(answer_ids=[7, 3])]
+    assert distill.draft_vocab(rows, 2).tolist() == [5, 7]
+    assert distill.draft_vocab(rows, 3, always=[0]).tolist() == [0, 5, 7]
+    assert distill.coverage(rows, torch.tensor([5, 7])) == pytest.approx(6 / 9)
+
+
+def test_cache_targets_line_up(tiny):
+    model, _, heads, rows = tiny
+    tmap = torch.arange(model.config.vocab_size)
+    cache = distill.build_cache(model, rows, tmap, top_k=4, num_heads=3)
+    n = sum(len(r["answer_ids"]) for r in rows)
+    assert cache["x"].shape == (n, model.config.hidden_size)
+    # greedy answers: the base's greedy token at every answer position is the answer's own next token
+    want = torch.tensor([t for r in rows for t in r["answer_ids"]])
+    assert (cache["greedy"] == want).float().mean() > 0.99
+    # head h has a target at position j iff j + h + 1 is still in the same answer
+    first = len(rows[0]["answer_ids"])
+    assert cache["ok"][first - 1].tolist() == [False, False, False]
+    assert cache["ok"][first - 2].tolist() == [True, False, False]
+    assert torch.allclose(cache["tgt_p"].float().sum(-1), torch.ones(n), atol=1e-2)
+
+
+def test_simulated_tau_matches_real_decoding(tiny):
+    model, _, heads, rows = tiny
+    heads.token_map = None
+    tmap = torch.arange(model.config.vocab_size)
+    cache = distill.build_cache(model, rows, tmap, top_k=1, num_heads=heads.num_heads)
+    heads.token_map = tmap
+    ranks = distill.head_ranks(heads, model, cache)
+    heads.token_map = None
+    for name in ("chain-2", "medusa-16"):
+        tree = mt.get_tree(name, heads.num_heads)
+        sim = distill.simulate_tau(ranks, distill.lengths_of(rows), tree)
+        emitted = steps = 0
+        for r in rows:
+            res = mt.generate(model, [r["prompt_ids"]], len(r["answer_ids"]), heads=heads, tree=tree)
+            assert res.tokens[0] == r["answer_ids"]
+            emitted += res.stats.new_tokens - 1
+            steps += sum(res.stats.accept_len_histogram)
+        assert sim == pytest.approx(emitted / steps, rel=0.03), name
+
+
+def test_tiny_distill_run_end_to_end(tmp_path):
+    from mtp_triton.train_heads import main
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(dict(id=f"p{i}", category="code", text=t)) + "\n"
+                               for i, t in enumerate(TEXTS)))
+    out = tmp_path / "heads"
+    info = main(["distill", "--model", TINY, "--prompts", str(prompts), "--heldout", str(prompts),
+                 "--heldout-chat", str(prompts), "--work", str(tmp_path / "work"), "--out", str(out),
+                 "--answers-by", "engine", "--num-heads", "3", "--vocab", "512", "--max-new-tokens", "24",
+                 "--eval-new-tokens", "24", "--minutes", "0.05", "--batch", "64", "--threads", "1",
+                 "--budgets", "1,2,4"])
+    heads = mt.load_heads(str(out))
+    assert heads.num_heads == 3 and heads.token_map.numel() <= 512 and heads.tree is not None
+    assert info["steps"] > 0 and set(info["heldout"]) == {"templated", "chat"}
+    model = mt.load_model(TINY, device="cpu")
+    tok = mt.load_tokenizer(TINY)
+    ids = [tok(t)["input_ids"] for t in TEXTS[:2]]
+    assert mt.generate(model, ids, 16, heads=heads).tokens == mt.generate(model, ids, 16, mtp=False).tokens
