@@ -1,0 +1,152 @@
+"""Small matplotlib helpers shared by the lessons. They only draw: every index, slot and offset they show is
+computed in the notebook (from the same formulas the kernels use) and passed in.
+
+Each function imports matplotlib itself and returns the Figure (the notebook shows it with plt.show()).
+"""
+
+# ------------------------------------------------------------------------------------------------------------
+# 04-kv-append: the paged cache, the append grid, one program's copy, three KV layouts
+
+
+def _seq_color(b):
+    """Colour of sequence b (04-kv-append)."""
+    return ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:olive")[b % 6]
+
+
+def paged_cache_figure(owner, cached, arrows, T, accepted, BS, b_shown, title=""):
+    """The block pool of a paged cache and where one sequence's accepted tree nodes go.
+
+    owner [NB]: the sequence owning each block (-1: free). cached [NB][BS] bool: slot holds history before this
+    step. arrows: (node, block, offset) for every token the step appends for sequence b_shown. T: tree nodes;
+    accepted: the accepted node ids of b_shown in path order (root first). Drawn: the tree buffer of b_shown
+    (top) and the pool, blocks in id order with their slots (bottom).
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    NB = len(owner)
+    gap = 0.6
+    fig, ax = plt.subplots(figsize=(min(13, 1.0 + NB * (BS + gap) * 0.33), 3.2))
+    tx0 = max(0.0, (NB * (BS + gap) - T * 1.2) / 2)                     # centre the tree buffer
+    for n in range(T):
+        acc = n in accepted
+        ax.add_patch(Rectangle((tx0 + n * 1.2, 3), 1, 1, fc=_seq_color(b_shown) if acc else "0.92", ec="k", lw=0.6,
+                               alpha=0.9 if acc else 1.0))
+        ax.text(tx0 + n * 1.2 + 0.5, 3.5, str(n), ha="center", va="center", fontsize=8)
+    ax.text(tx0 - 0.3, 3.5, f"tree buffer of seq {b_shown}\n(node ids)", ha="right", va="center", fontsize=8)
+    for blk in range(NB):
+        x0 = blk * (BS + gap)
+        for s in range(BS):
+            o = owner[blk]
+            fc = "white" if o < 0 else _seq_color(o)
+            alpha = 0.35 if (o >= 0 and not cached[blk][s]) else 0.85
+            ax.add_patch(Rectangle((x0 + s, 0), 1, 1, fc=fc, ec="k", lw=0.5, alpha=alpha if o >= 0 else 1.0))
+        label = f"block {blk}" + ("\nfree" if owner[blk] < 0 else f"\nseq {owner[blk]}")
+        ax.text(x0 + BS / 2, -0.15, label, ha="center", va="top", fontsize=7)
+    for j, (node, blk, off) in enumerate(arrows):
+        sx, dx = tx0 + node * 1.2 + 0.5, blk * (BS + gap) + off + 0.5
+        ax.annotate("", xy=(dx, 1.05), xytext=(sx, 2.95),
+                    arrowprops=dict(arrowstyle="->", color="k", lw=1.0))
+        ax.text(dx, 0.5, f"j{j}", ha="center", va="center", fontsize=7, fontweight="bold")
+    ax.set_xlim(-0.5, NB * (BS + gap))
+    ax.set_ylim(-1.1, 4.3)
+    ax.set_axis_off()
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def append_grid_figure(dest, accept_len, n_chunks):
+    """The launch grid of the append, one panel per sequence b.
+
+    dest [B][max_tokens][L * n_chunks]: the cache slot the program (layer * n_chunks + chunk, j, b) writes, or -1
+    for a program that exits at once (j > accept_len[b]).
+    """
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    B = len(dest)
+    fig, axes = plt.subplots(1, B, figsize=(3.0 * B, 2.5), squeeze=False)
+    for b in range(B):
+        d = np.array(dest[b])                                    # [max_tokens, L * n_chunks]
+        ax = axes[0][b]
+        ax.imshow(d >= 0, cmap="Blues", vmin=-0.3, vmax=1.3, aspect="auto", origin="lower")
+        for (j, c), v in np.ndenumerate(d):
+            ax.text(c, j, "exit" if v < 0 else f"s{v}", ha="center", va="center", fontsize=7,
+                    color="0.5" if v < 0 else "k")
+        ax.set_xticks(range(d.shape[1]), [f"l{c // n_chunks}c{c % n_chunks}" for c in range(d.shape[1])],
+                      fontsize=7)
+        ax.set_yticks(range(d.shape[0]))
+        ax.set_xlabel("axis 0: layer x row chunk", fontsize=8)
+        if b == 0:
+            ax.set_ylabel("axis 1: token j", fontsize=8)
+        ax.set_title(f"axis 2: sequence b = {b} (accept_len {accept_len[b]})", fontsize=8)
+    fig.suptitle("one program per cell; s = destination slot (block * BS + offset)", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def one_program_figure(tree_rows, cache_rows, row_len, src, dst, tree_breaks, cache_breaks, title=""):
+    """What ONE program of the append reads and writes, on the flat [rows, Hkv*Dh] views of a tree buffer and a
+    cache. src, dst: (row, first column, end column) of the chunk it copies; tree_breaks / cache_breaks: rows
+    where a new layer starts (drawn as lines)."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.patches import Rectangle
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    views = ((axes[0], tree_rows, src, tree_breaks, "k_tree as [L*B*T, Hkv*Dh]", "reads"),
+             (axes[1], cache_rows, dst, cache_breaks, "k_cache as [L*NB*BS, Hkv*Dh]", "writes"))
+    for ax, n_rows, (r, c0, c1), breaks, name, verb in views:
+        img = np.zeros((n_rows, row_len))
+        img[r, :] = 1                                            # the token's row
+        img[r, c0:c1] = 2                                        # the chunk this program copies
+        ax.imshow(img, cmap="Greys", vmin=0, vmax=2.2, aspect="auto", interpolation="nearest")
+        ax.add_patch(Rectangle((c0 - 0.5, r - 0.5), c1 - c0, 1, fill=False, ec="tab:red", lw=2))
+        ax.annotate(f"{verb} row {r}, elements {c0}..{c1 - 1}", xy=(c0 - 0.5, r), xytext=(0.2, r - n_rows * 0.22),
+                    fontsize=8, color="tab:red", arrowprops=dict(arrowstyle="->", color="tab:red"))
+        starts = [0] + list(breaks)
+        for k, y in enumerate(starts):
+            if y:
+                ax.axhline(y - 0.5, color="tab:blue", lw=0.8)
+            ax.text(row_len - 0.6, y + 0.5, f"layer {k}", ha="right", va="top", fontsize=7, color="tab:blue")
+        ax.set_title(name, fontsize=8)
+        ax.set_xlabel("element within the token row", fontsize=8)
+        ax.set_ylabel("token row", fontsize=8)
+        ax.tick_params(labelsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def kv_layouts_figure(panels, width, read):
+    """Where each token of each sequence sits in three KV layouts holding the same rows.
+
+    panels: {layout name: (rows [B][capacity] = storage row of position p of sequence b, number of rows)}.
+    The storage is drawn row-major, `width` rows per line; a cell shows "b:p". read: (b, n) outlines the rows of
+    sequence b's first n positions (what attention reads).
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.3 * len(panels), 3.6), squeeze=False)
+    rb, n_read = read
+    for ax, (name, (rows, n_rows)) in zip(axes[0], panels.items()):
+        where = {r: (b, p) for b, seq in enumerate(rows) for p, r in enumerate(seq)}
+        lines = -(-n_rows // width)
+        for r in range(n_rows):
+            x, y = r % width, lines - 1 - r // width
+            b, p = where.get(r, (-1, -1))
+            read_here = b == rb and p < n_read
+            ax.add_patch(Rectangle((x, y), 1, 1, fc=_seq_color(b) if b >= 0 else "white", alpha=0.55,
+                                   ec="k", lw=2.0 if read_here else 0.4))
+            ax.text(x + 0.5, y + 0.5, f"{b}:{p}", ha="center", va="center", fontsize=7)
+        ax.set_xlim(0, width)
+        ax.set_ylim(0, lines)
+        ax.set_aspect("equal")
+        ax.set_axis_off()
+        ax.set_title(name, fontsize=9)
+    fig.suptitle(f"storage rows (b:p = position p of sequence b); bold: sequence {rb}'s first {n_read} positions",
+                 fontsize=9)
+    fig.tight_layout()
+    return fig
