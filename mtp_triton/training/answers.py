@@ -90,16 +90,17 @@ def write_answers(model, tok, rows, path, max_new_tokens=256, sample_share=0.4, 
     for r, _, _ in todo:
         if r["id"] not in enc:
             enc[r["id"]] = chat_ids(tok, r["text"])[-max_prompt_tokens:]
-    todo.sort(key=lambda j: (j[1], len(enc[j[0]["id"]])))
+    todo.sort(key=lambda j: (j[1], len(enc[j[0]["id"]])))     # similar lengths together; a batch shares a seed
     eos = tok.eos_token_id
     bar = None
     if progress:
         from tqdm import tqdm
         bar = tqdm(total=len(todo), desc="answers", unit="answer")
     written = 0
+    batches = [[j for j in todo if j[1] == m][i:i + batch] for m in ("greedy", "sample")
+               for i in range(0, sum(j[1] == m for j in todo), batch)]          # one mode per batch
     with open(path, "a") as f:
-        for i in range(0, len(todo), batch):
-            part = todo[i:i + batch]
+        for part in batches:
             mode = part[0][1]
             prompts = [enc[r["id"]] for r, _, _ in part]
             kw = dict(mtp=False, eos_token_id=eos)
@@ -111,7 +112,7 @@ def write_answers(model, tok, rows, path, max_new_tokens=256, sample_share=0.4, 
             else:
                 answers = generate(model, prompts, max_new_tokens, **kw).tokens
             for (r, m, s), p, ans in zip(part, prompts, answers):
-                f.write(json.dumps(dict(id=r["id"], category=r.get("category"), mode=m, seed=s,
+                f.write(json.dumps(dict(id=r["id"], category=r.get("category"), mode=m, seed=part[0][2],
                                         by="transformers" if hf is not None else "engine", prompt_ids=p,
                                         answer_ids=ans)) + "\n")
             f.flush()

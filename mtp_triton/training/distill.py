@@ -260,7 +260,8 @@ def run(args):
         torch.save(cache, cache_file)
     t_cache = time.time() - t0 - t_answers
     heads = new_heads(model, args.num_heads, token_map)
-    steps, train_s = train(heads, model, cache, args.minutes, batch=args.batch, lr=args.lr, seed=args.seed,
+    steps, train_s = train(heads, model, cache, args.minutes, steps=args.steps, batch=args.batch, lr=args.lr,
+                           seed=args.seed,
                            checkpoint=os.path.join(args.work, "heads-ckpt.pt"), out_dir=records)
     del cache
 
@@ -321,6 +322,7 @@ def add_arguments(sp):
     sp.add_argument("--sample-share", type=float, default=0.4)
     sp.add_argument("--gen-batch", type=int, default=32)
     sp.add_argument("--minutes", type=float, default=30.0, help="training time budget")
+    sp.add_argument("--steps", type=int, default=6000, help="training step budget (whichever ends first)")
     sp.add_argument("--batch", type=int, default=1024)
     sp.add_argument("--lr", type=float, default=2e-3)
     sp.add_argument("--seed", type=int, default=0)
