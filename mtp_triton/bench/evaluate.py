@@ -1,7 +1,11 @@
-"""The evaluation harness: MTP on vs off, everything else identical, over five scenario sets (seed 004's framework).
+"""The evaluation harness: MTP on vs off, everything else identical, over five scenario sets (the kinds of an
+evaluation framework for MTP on local quantised models: short Q&A, multi-turn dialogue, code completion, structured
+output, long-form; each with short, medium and long outputs).
 
-    python -m mtp_triton eval --out out/eval                       # embedded model, tuned tree, all scenarios
-    python -m mtp_triton eval --quick --out out/eval-quick         # tiny sizes (CI)
+    python -m mtp_triton eval --out out/eval                       # SmolLM2-135M-Instruct + its heads, chat set
+    python -m mtp_triton eval --max-prompts 3 --out out/eval-3     # one item per output length: minutes on a CPU
+    python -m mtp_triton eval --quick --out out/eval-quick         # tiny sizes (<= 16 new tokens)
+    python -m mtp_triton eval --model data/tiny-stdlib-llama --quick --out out/eval-tiny    # the embedded model
     python -m mtp_triton eval --sweep --long-run 10000 --out out/eval-full
     python -m mtp_triton eval --sweep --long-run 10000 --out out/eval-full --resume    # after a Ctrl-C
     python -m mtp_triton.bench.evaluate ...                         # the same
@@ -9,7 +13,11 @@
 Each item runs serial (MTP off) and MTP (on) back to back, same prompt, max_new_tokens, EOS, temperature, seed and
 kernels; the order alternates from item to item so that drift on a busy machine hits both modes.
 
-What it measures (the seed's dimensions -> what is recorded; every number comes from `generate`'s stats):
+The model, heads, dtype and tree are picked as by the demo (`demo.load_bundle`, `demo.pick_tree`: --tree stored
+is the tree saved with the heads). The scenario set fits the tokenizer: a chat template -> data/scenarios_chat (chat
+messages rendered with the template), none -> data/scenarios (raw code to continue); --scenario-dir overrides.
+
+What it measures (the framework's dimensions -> what is recorded; every number comes from `generate`'s stats):
     quality gate   T = 0: MTP output must equal serial output token for token (any mismatch: first differing
                    position + decoded context, exit status 1). T > 0: paired comparison of distribution summaries
                    (mean log-prob under the model, distinct-token ratio, length) within a stated tolerance.
@@ -22,8 +30,9 @@ What it measures (the seed's dimensions -> what is recorded; every number comes 
     stability      --long-run N: N tokens in many requests; throughput drift (first vs last quarter), memory growth,
                    errors, timeouts (requests slower than --timeout, measured after the fact: a hung request is not
                    interrupted), spot checks against serial (every 10th request at T = 0)
-    edge inputs    empty, over-long, at the context limit, repeated token, unusual characters, max_new_tokens 1 / 0,
-                   EOS first, out-of-range id — then a normal request must still match serial
+    edge inputs    empty, over-long, at the context limit (on a CPU only for contexts <= 2048 tokens unless
+                   --edge-full-context), repeated token, unusual characters, max_new_tokens 1 / 0, EOS first,
+                   out-of-range id — then a normal request must still match serial
     compatibility  a batch of different-length prompts must give the single-request outputs
 Outputs in --out: eval.csv (raw rows, each stamped with env_info(); the rows of every request are appended as soon
 as it finishes, so Ctrl-C or a full disk loses only the request in flight), report.md (tables), *.png (plots) — the
@@ -31,10 +40,11 @@ report and the plots are computed from the rows. --resume skips the requests who
 the same configuration (weights, tree, temperature, top-p, seed, kernels, caps) on the same device. On CPU the
 numbers are CPU numbers and are labelled so.
 
-The pieces: eval_harness.py (the sections), eval_metrics.py (numbers from rows), eval_report.py, eval_plots.py.
+The pieces: scenarios.py (the sets, prompt ids), eval_harness.py (the sections), eval_metrics.py (numbers from
+rows), eval_report.py, eval_plots.py.
 """
 import argparse
-import json
+import dataclasses
 import os
 import sys
 import time
@@ -42,34 +52,36 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..demo import SMOLLM2, heads_dir_for, load_bundle
+from ..loading import SHORT_NAMES
 from .common import EMBEDDED, ROOT, append_rows, ensure_writable_dir, int_at_least, read_rows, tree_by_name
-from .eval_harness import Harness, encode, row_key, sweep_tree_names
+from .eval_harness import Harness, harness_tree, row_key, sweep_tree_names
+from .scenarios import (CHAT_SCENARIO_DIR, CHAT_SCENARIOS, SCENARIO_DIR, SCENARIOS, default_scenario_dir, encode,
+                        has_chat_template, load_scenarios, prompt_ids)
 from .eval_metrics import (ALPHA, FLOOR, MEM_GROWTH_LIMIT, MIN_ITEMS, ab_table, aggregate, describe_mismatch,
                            first_difference, long_run_summary, mean_logprob, request_metrics, sampled_quality,
                            t_critical)
 from .eval_plots import plot_all
 from .eval_report import md_table, performance_tables, sweep_table, write_report
 
-SCENARIO_DIR = os.path.join(ROOT, "data", "scenarios")
-SCENARIOS = ("short_completion", "repl_dialogue", "code_completion", "structured_output", "long_form")
-
 # Kept importable from here (tests and notebooks use `from mtp_triton.bench import evaluate as ev`).
-__all__ = ["ALPHA", "EMBEDDED", "FLOOR", "MEM_GROWTH_LIMIT", "MIN_ITEMS", "SCENARIOS", "SCENARIO_DIR", "EvalConfig",
-           "EvalResult", "Harness", "ab_table", "aggregate", "describe_mismatch", "encode", "evaluate",
-           "first_difference", "load_scenarios", "long_run_summary", "main", "md_table", "mean_logprob",
-           "performance_tables", "plot_all", "request_metrics", "row_key", "sampled_quality", "sweep_table",
-           "sweep_tree_names", "t_critical", "tree_by_name", "write_outputs", "write_report"]
+__all__ = ["ALPHA", "CHAT_SCENARIOS", "CHAT_SCENARIO_DIR", "EMBEDDED", "FLOOR", "MEM_GROWTH_LIMIT", "MIN_ITEMS",
+           "SCENARIOS", "SCENARIO_DIR", "EvalConfig", "EvalResult", "Harness", "ab_table", "aggregate",
+           "default_scenario_dir", "describe_mismatch", "encode", "evaluate", "first_difference", "harness_tree",
+           "load_scenarios", "long_run_summary", "main", "md_table", "mean_logprob", "performance_tables", "plot_all",
+           "prompt_ids", "request_metrics", "row_key", "sampled_quality", "sweep_table", "sweep_tree_names",
+           "t_critical", "tree_by_name", "write_outputs", "write_report"]
 
 
 @dataclass
 class EvalConfig:
     """Everything a run varies; `EvalConfig.quick()` is the CI size."""
-    tree: str = "tuned"                   # 'tuned' | preset | 'chain-N' | 'width-K'
+    tree: str = "stored"                  # 'stored' | 'auto' | 'tuned' | preset | 'chain-N' | 'width-K'
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
     kernels: str = "auto"
-    scenarios: tuple = SCENARIOS
+    scenarios: tuple = None               # set names (None: every set of scenario_dir)
     max_prompts: int = None               # per scenario set (items come short, medium, long in turn)
     max_new_cap: int = None               # cap on each item's max_new_tokens
     prompt_cap: int = None                # keep only the last N prompt tokens
@@ -83,9 +95,10 @@ class EvalConfig:
     timeout_s: float = 300.0
     edge: bool = True
     edge_limit_tokens: int = 16           # new tokens of the "context at the limit" edge case
+    edge_full_context: bool = None        # run that case (None: on a GPU, or a context <= 2048 tokens on a CPU)
     compat: bool = True
     progress: bool = True
-    scenario_dir: str = SCENARIO_DIR
+    scenario_dir: str = None              # None: the chat set for a chat tokenizer, else the code set
 
     def __post_init__(self):
         for name in ("max_prompts", "max_new_cap", "prompt_cap"):
@@ -116,24 +129,11 @@ class EvalResult:
     csv_path: str = None                  # where the rows were appended as they finished (None: not yet written)
 
 
-def load_scenarios(names=SCENARIOS, max_prompts=None, folder=SCENARIO_DIR):
-    """{name: [item, ...]} from folder/<name>.jsonl; items have id, length, max_new_tokens, source, text."""
-    if max_prompts is not None and max_prompts < 1:
-        raise ValueError(f"max_prompts must be >= 1 (or None: every item), got {max_prompts}")
-    out = {}
-    for name in names:
-        path = os.path.join(folder, f"{name}.jsonl")
-        if not os.path.exists(path):
-            known = sorted(f[:-6] for f in os.listdir(folder) if f.endswith(".jsonl"))
-            raise ValueError(f"unknown scenario set {name!r} (no {path}); known: {known}")
-        with open(path, encoding="utf-8") as f:
-            items = [json.loads(line) for line in f if line.strip()]
-        out[name] = items[:max_prompts]
-    return out
-
-
-def evaluate(model, heads, tok, cfg=None, heads_dir=None, csv_path=None, command="", resume=False):
+def evaluate(model, heads, tok, cfg=None, heads_dir=None, csv_path=None, command="", resume=False, label=None):
     """Run every requested section; returns EvalResult(rows, failures, info). Rows carry env_info().
+
+    cfg.scenario_dir None: the chat set when `tok` has a chat template, else the code set. label: the model's name
+    for the report (e.g. the --model argument).
 
     csv_path: append the rows of each request to this CSV as soon as it finishes (with `command`), so an
     interrupted run keeps them. resume: requests whose rows csv_path already holds (same configuration, same
@@ -145,6 +145,7 @@ def evaluate(model, heads, tok, cfg=None, heads_dir=None, csv_path=None, command
         def sink(rows):
             append_rows(csv_path, [dict(r, command=command) for r in rows])
     h = Harness(model, heads, tok, cfg, heads_dir, sink=sink, kept=kept)
+    cfg = h.cfg                                               # with the scenario folder resolved
     scenarios = load_scenarios(cfg.scenarios, cfg.max_prompts, cfg.scenario_dir)
     h.ab(scenarios)
     if cfg.sweep:
@@ -160,7 +161,9 @@ def evaluate(model, heads, tok, cfg=None, heads_dir=None, csv_path=None, command
                 heads_bytes=sum(p.numel() * p.element_size() for p in heads.parameters()),
                 model_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
                 context=h.ctx, temperature=cfg.temperature, top_p=cfg.top_p, kernels=cfg.kernels,
-                cpu=model.device.type != "cuda", run_id=h.base["run_id"], kept_rows=h.kept_rows)
+                cpu=model.device.type != "cuda", run_id=h.base["run_id"], kept_rows=h.kept_rows, model_name=label,
+                scenario_dir=os.path.relpath(cfg.scenario_dir, ROOT), scenarios=list(scenarios),
+                chat_template=any("messages" in it for its in scenarios.values() for it in its))
     return EvalResult(h.rows, h.failures, info, csv_path=csv_path)
 
 
@@ -180,19 +183,26 @@ def write_outputs(result, out, command=""):
 def build_parser():
     ap = argparse.ArgumentParser(prog="python -m mtp_triton eval", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=EMBEDDED, help="checkpoint folder (config.json + *.safetensors + tokenizer)")
-    ap.add_argument("--heads", default=None, help="heads folder (default <model>/heads)")
-    ap.add_argument("--tree", default="tuned", help="'tuned', a preset (medusa-16, chain-4, ...), chain-N or width-K")
+    ap.add_argument("--model", default=SMOLLM2, help=f"a short name ({', '.join(SHORT_NAMES)}), a checkpoint folder "
+                    f"(config.json + *.safetensors + tokenizer) or a .gguf file; default {SMOLLM2}")
+    ap.add_argument("--heads", default=None, help="heads folder (default: the model's shipped heads, <folder>/heads "
+                    "for a checkpoint folder)")
+    ap.add_argument("--tree", default="stored", help="'stored' (saved with the heads, else tuned), 'auto' (tuned now "
+                    "to this machine), 'tuned', a preset (medusa-16, chain-4, ...), chain-N or width-K")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"])
+    ap.add_argument("--dtype", default=None, choices=["bf16", "fp32"], help="default as the demo: bf16 for SmolLM2 "
+                    "on a CPU (the engine's exact mode), else the checkpoint's")
     ap.add_argument("--device", default=None)
     ap.add_argument("--out", default=os.path.join("out", "eval"), help="output folder")
     ap.add_argument("--resume", action="store_true",
                     help="skip requests whose rows <out>/eval.csv already holds (same configuration and device)")
-    ap.add_argument("--scenarios", nargs="+", default=None, help=f"subset of {', '.join(SCENARIOS)}")
-    ap.add_argument("--scenario-dir", default=SCENARIO_DIR)
+    ap.add_argument("--scenarios", nargs="+", default=None, help=f"subset of the chat set ({', '.join(CHAT_SCENARIOS)})"
+                    f" or of the code set ({', '.join(SCENARIOS)})")
+    ap.add_argument("--scenario-dir", default=None, help="default: data/scenarios_chat for a tokenizer with a chat "
+                    "template, else data/scenarios")
     ap.add_argument("--max-prompts", type=int_at_least(1), default=None, help="items per scenario set (>= 1)")
     ap.add_argument("--max-new-cap", type=int_at_least(1), default=None, help="cap on every item's max_new_tokens")
     ap.add_argument("--sweep", action="store_true", help="parameter sensitivity: tree depth, size and width")
@@ -201,6 +211,8 @@ def build_parser():
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per request before it counts as a timeout")
     ap.add_argument("--fallback", type=float, default=None, help="RuntimeConfig.fallback_threshold (off by default)")
     ap.add_argument("--no-edge", action="store_true", help="skip the bad / edge input section")
+    ap.add_argument("--edge-full-context", action="store_true", help="run the 'context at the limit' edge case on a "
+                    "CPU even for a context over 2048 tokens (a prefill of the whole context)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (CI): 2 items per set, <= 16 new tokens")
     ap.add_argument("--no-progress", action="store_true")
     return ap
@@ -211,15 +223,25 @@ def _error(message, code=2):
     return code
 
 
-def _load(a, heads_dir):
-    """(model, heads, tokenizer) of the checkpoint; raises what the loaders raise."""
-    from transformers import AutoTokenizer
+def _model_missing(model):
+    """A message when `model` is neither a short name, a .gguf file nor a checkpoint folder, else None."""
+    if model.lower() in SHORT_NAMES or (os.path.isfile(model) and model.endswith(".gguf")):
+        return None
+    if not os.path.exists(os.path.join(model, "config.json")):
+        return (f"no model at {model!r} (config.json missing). Pass --model <checkpoint folder>, a .gguf file or a "
+                f"short name ({', '.join(SHORT_NAMES)}).")
+    return None
 
-    from ..heads import load_heads
-    from ..model import load_model
-    model = load_model(a.model, device=a.device)
-    heads = load_heads(heads_dir, device=model.device, dtype=model.dtype)
-    return model, heads, AutoTokenizer.from_pretrained(a.model)
+
+def _check_names(names, folder):
+    """Set names that exist in `folder`, or (folder None: not known before the tokenizer) in either shipped set."""
+    if folder is not None:
+        load_scenarios(names, 1, folder)
+        return
+    for n in names or ():
+        if n not in SCENARIOS + CHAT_SCENARIOS:
+            raise ValueError(f"unknown scenario set {n!r}; known: chat set {list(CHAT_SCENARIOS)}, code set "
+                             f"{list(SCENARIOS)}")
 
 
 def main(argv=None):
@@ -230,36 +252,49 @@ def main(argv=None):
         ensure_writable_dir(a.out)                           # before any compute: a bad --out fails now
     except OSError as e:
         return _error(e)
-    if not os.path.exists(os.path.join(a.model, "config.json")):
-        return _error(f"no model at {a.model!r} (config.json missing). Pass --model <checkpoint folder>, or build "
-                      "the embedded model first.")
-    heads_dir = a.heads or os.path.join(a.model, "heads")
+    missing = _model_missing(a.model)
+    if missing:
+        return _error(missing)
+    heads_dir = a.heads or heads_dir_for(a.model)
+    if not os.path.exists(heads_dir):
+        return _error(f"no MTP heads at {heads_dir!r}. Train them (python -m mtp_triton train_heads distill ... for a "
+                      "chat model) or pass --heads <folder>.")
     kw = dict(tree=a.tree, temperature=a.temperature, top_p=a.top_p, seed=a.seed, kernels=a.kernels,
-              scenarios=tuple(a.scenarios or SCENARIOS), scenario_dir=a.scenario_dir, sweep=a.sweep,
+              scenarios=tuple(a.scenarios) if a.scenarios else None, scenario_dir=a.scenario_dir, sweep=a.sweep,
               long_run=a.long_run, timeout_s=a.timeout, fallback=a.fallback, edge=not a.no_edge,
-              progress=not a.no_progress)
+              edge_full_context=True if a.edge_full_context else None, progress=not a.no_progress)
     kw.update({k: v for k, v in (("max_prompts", a.max_prompts), ("max_new_cap", a.max_new_cap)) if v is not None})
     try:
         cfg = EvalConfig.quick(**kw) if a.quick else EvalConfig(**kw)
-        load_scenarios(cfg.scenarios, 1, cfg.scenario_dir)
+        _check_names(cfg.scenarios, cfg.scenario_dir)        # typos fail now, not after loading the model
     except ValueError as e:
         return _error(e)
     try:
-        model, heads, tok = _load(a, heads_dir)
+        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[a.dtype]
+        model, heads, tok = load_bundle(a.model, heads_dir, a.device, dtype)
     except (ValueError, OSError, KeyError, RuntimeError, SafetensorError) as e:
         return _error(f"could not load the model or heads from {a.model!r}: {type(e).__name__}: {e}")
     try:
-        tree_by_name(a.tree, heads.num_heads, heads_dir)
+        cfg = dataclasses.replace(cfg, scenario_dir=cfg.scenario_dir or default_scenario_dir(tok))
+        first = load_scenarios(cfg.scenarios, 1, cfg.scenario_dir)
+        for items in first.values():
+            prompt_ids(tok, items[0])                        # a chat set needs a chat template: say so now
+        if a.tree != "auto":                                 # 'auto' measures step costs: the harness does it once
+            harness_tree(a.tree, heads, heads_dir)
     except ValueError as e:
         return _error(e)
     where = "CPU (numbers are CPU numbers)" if model.device.type != "cuda" else torch.cuda.get_device_name()
-    print(f"eval: {a.model} on {where}; tree {a.tree}; T={a.temperature}; scenarios {', '.join(cfg.scenarios)}"
+    print(f"eval: {a.model} ({str(model.dtype).replace('torch.', '')}) on {where}; heads {heads_dir} "
+          f"({heads.num_heads}); tree {a.tree}; T={a.temperature}; scenarios "
+          f"{os.path.relpath(cfg.scenario_dir, ROOT)}: {', '.join(first)}"
+          + (" (chat template)" if has_chat_template(tok) else "")
           + ("; --quick (tiny sizes)" if a.quick else "") + ("; --resume" if a.resume else ""), file=sys.stderr)
     t0 = time.perf_counter()
     command = "python -m mtp_triton eval " + " ".join(argv)
     csv_path = os.path.join(a.out, "eval.csv")
     try:
-        result = evaluate(model, heads, tok, cfg, heads_dir, csv_path=csv_path, command=command, resume=a.resume)
+        result = evaluate(model, heads, tok, cfg, heads_dir, csv_path=csv_path, command=command, resume=a.resume,
+                          label=a.model)
         report = write_outputs(result, a.out, command)
     except KeyboardInterrupt:
         print(f"\ninterrupted: the rows of every finished request are in {csv_path}; run the same command with "

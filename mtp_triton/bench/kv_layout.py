@@ -1,14 +1,14 @@
 """KV-cache layouts measured: contiguous vs paged vs block-interleaved, for the append and the read pattern.
 
-The claim under test (seed 000_464c778950f5ce2b.txt, §2.2): a *block-interleaved* KV layout — token p of a
-sequence goes to block p mod n, offset p // n — "cut memory access latency by 42 %" on the author's NPU by
-avoiding bank conflicts. Three layouts of one layer's cache, each holding B sequences of `capacity` tokens,
+The claim under test (an MTP-on-NPU engineering report, BM1684, section 2.2): a *block-interleaved* KV layout —
+token p of a sequence goes to block p mod n, offset p // n — "cut memory access latency by 42 %" on the author's NPU
+by avoiding bank conflicts. Three layouts of one layer's cache, each holding B sequences of `capacity` tokens,
 one token row = Hkv x Dh contiguous elements:
 
     contiguous   cache [B, capacity, Hkv, Dh]            token p of seq b -> row b * capacity + p
     paged        pool [NB, BS, Hkv, Dh] + block table    token p -> row table[b, p // BS] * BS + p % BS
     interleaved  pool [NB, BLK, Hkv, Dh], n blocks/seq   token p -> row table[b, p % n] * BLK + p // n
-                 (BLK = capacity / n tokens per block; the seed's n = 8)
+                 (BLK = capacity / n tokens per block; the NPU report's n = 8)
 
 Patterns (what a decoder does with the cache):
     read    the first `n_read` tokens of every sequence, in order (what attention reads each step);

@@ -1,18 +1,25 @@
 """Reproduce the published speedup tables on whatever hardware runs this, and put them side by side.
 
-    python -m mtp_triton tables --out out/tables                       # both suites (llama7b needs a GPU)
+    python -m mtp_triton tables --out out/tables                       # every suite (llama7b needs a GPU)
     python -m mtp_triton tables --quick --out /tmp/t                    # tiny, CPU: checks the whole path
-    python -m mtp_triton tables --shape llama7b --profiles seed80,0.9   # 7B shape, synthetic acceptance
+    python -m mtp_triton tables --shape llama7b --profiles consumer80,0.9 --no-smollm2   # 7B shape, synthetic drafts
+    python -m mtp_triton tables --shape --smollm2 --out out/smollm2     # only the SmolLM2 sweep
 
 Writes <out>/tables.csv (rows appended, each with env_info() and a run_id), <out>/tables.md and <out>/tables.png
 (both drawn from the CSV rows of this run). What is measured, per suite:
 
-1. The seed's depth sweep — serial, MTP-2, MTP-4, MTP-8 chains and the default tree: decode tok/s, ms/token,
-   speedup, tokens/J (GPU energy from NVML; blank where it cannot be measured, never estimated), τ (tokens per
-   step) and acceptance per depth.
+1. The depth sweep of an MTP-on-NPU engineering report (BM1684, Llama-7B: serial, MTP-2, MTP-4, MTP-8;
+   data/published/npu_report_bm1684_llama7b.csv), measured here — serial, MTP-2/4/8 as chain-2/4/8 trees and the
+   default tree: decode tok/s, ms/token, speedup, tokens/J (GPU energy from NVML; blank where it cannot be measured,
+   never estimated), τ (tokens per step), acceptance per depth and whether the tokens equal serial decoding's.
      embedded  the embedded model with its trained heads (real acceptance); chain-8 only with >= 8 heads.
+     smollm2   SmolLM2-135M-Instruct with its trained heads and their stored tree, a few held-out chat prompts
+               (data/chat/heldout_chat.jsonl), batch 1; bf16 on a CPU, where MTP is bit-identical to serial.
+               --smollm2 / --no-smollm2 (default: on when its pip package is installed, except with --quick).
      llama7b   Llama-7B shape, random bf16 weights, GPU only; drafts from the SYNTHETIC OracleDrafter at chosen
-               per-depth acceptance profiles (seed80, deepseek85/90), isolating the runtime's cost from head quality.
+               per-depth acceptance profiles (consumer80, deepseek85/90), isolating the runtime's cost from head
+               quality.
+   A chain deeper than the heads is skipped, with a note printed and kept in its row.
 2. The analytic model: E[tokens/step] = Tree.expected_accept_len(acc) + 1 (the bonus token), divided by the
    measured verify-step cost ratio c(T) = time(T-node verify) / time(1-node verify):
         predicted speedup = (E[accepted drafts] + 1) / c(T)
@@ -35,12 +42,16 @@ from . import e2e
 from .common import EMBEDDED, append_rows, ensure_writable_dir, env_info, int_at_least, read_rows, time_fn, write_text
 from .hf_baseline import hf_row
 from .profile_step import kernel_rows, phase_rows
-from .tables_render import (PUBLISHED, SEED_CONFIGS, _table, load_published, markdown, plot,  # noqa: F401
-                            seed_sweep)
+from .tables_render import (NPU_CONFIGS, PUBLISHED, _table, load_published, markdown, npu_sweep,  # noqa: F401
+                            plot)
 
 # The rendering (markdown, plot, the published rows) lives in tables_render.py; its names stay importable here.
 CHAINS = (2, 4, 8)
-DEFAULT_PROFILES = "seed80,deepseek85,deepseek90"
+DEFAULT_PROFILES = "consumer80,deepseek85,deepseek90"
+# Per suite: the extra sections besides the sweep and the analytic model (the SmolLM2 suite keeps to the sweep:
+# minutes on a CPU).
+SECTIONS = {"embedded": dict(hf=True, phases=True), "llama7b": dict(hf=True, phases=True),
+            "smollm2": dict(hf=False, phases=False)}
 
 
 # ---- the analytic model -----------------------------------------------------------------------------------
@@ -89,10 +100,12 @@ def sweep_configs(drafting, tree):
     out = [("serial", None, "")]
     for n in CHAINS:
         if n <= drafting.num_heads:
-            out.append((f"MTP-{n}", Tree.chain(n), ""))
+            out.append((f"MTP-{n}", Tree.chain(n), f"chain-{n}"))
         else:
             out.append((f"MTP-{n}", None, f"skipped: needs {n} heads, this drafter has {drafting.num_heads}"))
-    out.append(("tree", tree, "default tree (tuned to the accuracies when known)"))
+    stored = getattr(drafting.heads, "tree", None) is not None
+    out.append(("tree", tree, "the heads' stored tree" if stored else "default tree (tuned to the accuracies when "
+                "known)"))
     return out
 
 
@@ -105,7 +118,11 @@ def suite_rows(target, draftings, max_new_tokens, *, kernels="auto", hf=True, ph
     base = dict(env, run_id=run_id, **target.row(), batch=1, max_new_tokens=max_new_tokens)
     kw = dict(kernels=kernels, eos_token_id=target.eos_token_id)
     depth = max(d.num_heads for d in draftings)
-    truth = e2e.serial_truth(model, target.prompts, max_new_tokens, depth, **kw)        # also the serial warm-up
+    if any(d.synthetic for d in draftings):           # the oracle proposes from the serial continuation
+        truth = e2e.serial_truth(model, target.prompts, max_new_tokens, depth, **kw)    # also the serial warm-up
+    else:
+        truth = None
+        e2e.run_generate(model, target.prompts[:1], min(16, max_new_tokens), **kw)     # serial warm-up
     serial = e2e.run_generate(model, target.prompts, max_new_tokens, **kw)
     log(f"[{target.suite}] serial: {serial['decode_tokens_per_s']:.1f} tok/s ({env['device']})")
     rows, verify_cache = [], {}
@@ -126,6 +143,7 @@ def suite_rows(target, draftings, max_new_tokens, *, kernels="auto", hf=True, ph
             if name == "serial":
                 r = serial
             elif t is None:
+                log(f"[{target.suite}] {d.label:28} {name:7} {note}")
                 rows.append(row)
                 continue
             else:
@@ -149,7 +167,8 @@ def suite_rows(target, draftings, max_new_tokens, *, kernels="auto", hf=True, ph
         tree = e2e.default_tree(target, d0)
         V = model.config.vocab_size
         configs = [("serial", dict(kw, mtp=False)),
-                   (f"tree-{tree.size}", lambda i: dict(kw, tree=tree, **d0.kwargs(truth[i: i + 1], V, i)))]
+                   (f"tree-{tree.size}",
+                    lambda i: dict(kw, tree=tree, **d0.kwargs(truth[i: i + 1] if truth else None, V, i)))]
         pb = dict(base, drafter=d0.label)
         rows += phase_rows(model, target.prompts, max_new_tokens, configs, pb)
         for name, ckw in configs:
@@ -194,7 +213,7 @@ def analytic_rows(drafting, sweep, t1, verify_s, base):
 # ---- the whole run ----------------------------------------------------------------------------------------
 def run_tables(out, shapes=("embedded", "llama7b"), *, quick=False, device=None, model_path=EMBEDDED,
                profiles=None, max_new_tokens=None, num_prompts=None, kernels="auto", hf=True, log=print,
-               command=None):
+               command=None, smollm2_heads=None):
     """Measure every suite that can run here, append the rows to <out>/tables.csv, write tables.md and tables.png.
 
     Returns (rows of this run, {"csv", "md", "png": paths}). A suite that cannot run here (llama7b on CPU without
@@ -203,10 +222,11 @@ def run_tables(out, shapes=("embedded", "llama7b"), *, quick=False, device=None,
     env = env_info(device)
     run_id = env["timestamp"]
     rows = []
-    profiles = profiles or ("seed80" if quick else DEFAULT_PROFILES)
+    profiles = profiles or ("consumer80" if quick else DEFAULT_PROFILES)
     for shape in shapes:
         try:
-            target = e2e.load_target(shape, model_path, device, quick=quick, num_prompts=num_prompts)
+            target = e2e.load_target(shape, model_path, device, quick=quick, num_prompts=num_prompts,
+                                     heads_dir=smollm2_heads)
         except RuntimeError as exc:
             log(f"[{shape}] skipped: {exc}")
             rows.append(dict(env, run_id=run_id, table="skipped", suite=shape, note=str(exc)))
@@ -218,7 +238,9 @@ def run_tables(out, shapes=("embedded", "llama7b"), *, quick=False, device=None,
         else:
             draftings = [e2e.heads_drafting(target)]
         n = max_new_tokens or (12 if quick else 128)
-        new = suite_rows(target, draftings, n, kernels=kernels, hf=hf, run_id=run_id, log=log)
+        extra = SECTIONS.get(shape, {})
+        new = suite_rows(target, draftings, n, kernels=kernels, hf=hf and extra.get("hf", True),
+                         phases=extra.get("phases", True), run_id=run_id, log=log)
         if command:
             new = [dict(r, command=command) for r in new]
         rows += new
@@ -247,9 +269,15 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="tiny sizes (CPU CI); llama7b runs at a tiny shape")
     ap.add_argument("--model", default=EMBEDDED, help="checkpoint folder with heads/ (the embedded suite)")
     ap.add_argument("--device", default=None)
-    ap.add_argument("--shape", nargs="+", default=["embedded", "llama7b"], choices=["embedded", "llama7b"])
+    ap.add_argument("--shape", nargs="*", default=["embedded", "llama7b"], choices=["embedded", "llama7b"],
+                    help="the suites besides smollm2 (none: only --smollm2)")
+    ap.add_argument("--smollm2", action=argparse.BooleanOptionalAction, default=None,
+                    help="the measured SmolLM2-135M-Instruct sweep (default: on when its pip package is installed, "
+                         "off with --quick)")
+    ap.add_argument("--smollm2-heads", default=None, help="heads for the SmolLM2 suite (default: the shipped ones, "
+                    "data/smollm2-135m-instruct-heads)")
     ap.add_argument("--profiles", default=None,
-                    help=f"synthetic acceptance profiles for llama7b (default {DEFAULT_PROFILES}; quick: seed80); "
+                    help=f"synthetic acceptance profiles for llama7b (default {DEFAULT_PROFILES}; quick: consumer80); "
                          "names, probabilities (0.8) or per-depth lists (0.9/0.8/0.7)")
     ap.add_argument("--max-new-tokens", type=int_at_least(1), default=None)
     ap.add_argument("--num-prompts", type=int_at_least(1), default=None)
@@ -264,11 +292,17 @@ def main(argv=None):
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    smollm2 = a.smollm2 if a.smollm2 is not None else (not a.quick and e2e.smollm2_installed())
+    shapes = list(a.shape) + (["smollm2"] if smollm2 else [])
+    if not shapes:
+        print("error: nothing to measure: give --shape or --smollm2", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("no GPU: CPU run — every number below is a CPU number (torch ops" + (", tiny sizes)" if a.quick else ")"))
     try:
-        rows, paths = run_tables(a.out, a.shape, quick=a.quick, device=a.device, model_path=a.model,
-                                 profiles=a.profiles, max_new_tokens=a.max_new_tokens, num_prompts=a.num_prompts,
+        rows, paths = run_tables(a.out, shapes, smollm2_heads=a.smollm2_heads, quick=a.quick, device=a.device,
+                                 model_path=a.model, profiles=a.profiles, max_new_tokens=a.max_new_tokens,
+                                 num_prompts=a.num_prompts,
                                  kernels=a.kernels, hf=not a.no_hf, command="python -m mtp_triton tables " +
                                  " ".join(sys.argv[1:] if argv is None else argv))
     except OSError as e:

@@ -8,7 +8,8 @@ from .common import ROOT
 from .profile_step import PHASES, plot_phases
 
 PUBLISHED = os.path.join(ROOT, "data", "published")
-SEED_CONFIGS = ("serial", "MTP-2", "MTP-4", "MTP-8")
+NPU_REPORT = "npu_report_bm1684_llama7b.csv"             # the MTP-on-NPU engineering report's depth sweep
+NPU_CONFIGS = ("serial", "MTP-2", "MTP-4", "MTP-8")
 
 
 # ---- published numbers ------------------------------------------------------------------------------------
@@ -25,11 +26,11 @@ def load_published(folder=PUBLISHED):
     return rows
 
 
-def seed_sweep(published):
-    """{config: {metric: value}} of the seed's BM1684 table."""
+def npu_sweep(published):
+    """{config: {metric: value}} of the NPU report's BM1684 table (serial, MTP-2/4/8; Llama-7B)."""
     out = {}
     for r in published:
-        if r["file"] == "seed_depth_sweep.csv":
+        if r["file"] == NPU_REPORT:
             out.setdefault(r["config"], {})[r["metric"]] = r["value"]
     return out
 
@@ -63,8 +64,8 @@ def _where(r):
 
 def markdown(rows, published):
     """The side-by-side tables (markdown) of one run's rows."""
-    seed = seed_sweep(published)
-    src = next(r["source"] for r in published if r["file"] == "seed_depth_sweep.csv")
+    npu = npu_sweep(published)
+    src = next(r["source"] for r in published if r["file"] == NPU_REPORT)
     e0 = rows[0] if rows else {}
     out = [f"# Speedup tables: published vs measured\n\nMeasured on {e0.get('device')} (torch {e0.get('torch')}, "
            f"triton {e0.get('triton')}, interpreter {e0.get('interpreter')}), commit {e0.get('commit')}, "
@@ -73,15 +74,17 @@ def markdown(rows, published):
     for r in rows:
         if r.get("table") == "skipped":
             out.append(f"\n*{r['suite']}: {r['note']}*\n")
-    out.append("\n## 1. The seed's depth sweep\n\nPublished: Llama-7B on a BM1684, batch and prompt length not "
-               f"stated ({src}).\n")
+    out.append("\n## 1. Depth sweep: MTP-2 / MTP-4 / MTP-8 (chains of 2, 4, 8 drafts) against serial\n\n"
+               f"Published: Llama-7B on a BM1684 NPU, batch and prompt length not stated ({src}). Ours: each suite "
+               "below, measured by this run, on the hardware it names; MTP-n is a chain-n tree, `tree` the default "
+               "(for trained heads: the tree stored with them).\n")
     sweep = [r for r in rows if r.get("table") == "sweep"]
     for key in dict.fromkeys((r["suite"], r["drafter"]) for r in sweep):
         grp = [r for r in sweep if (r["suite"], r["drafter"]) == key]
         out.append(f"\n**Ours — {key[0]}, drafts: {key[1]}.** {_where(grp[0])}.\n\n")
         body = []
         for r in grp:
-            p = seed.get(r["config"], {})
+            p = npu.get(r["config"], {})
             pub_speed = p.get("speedup_pct", 0.0 if r["config"] == "serial" else None)
             body.append([r["config"] + (f" (T={r['tree_size']})" if r.get("tree_size") else ""),
                          _n(p.get("throughput")), _n(p.get("latency")), _n(pub_speed, "{:+.1f} %"),
@@ -176,11 +179,11 @@ def plot(rows, published, path=None):
     from matplotlib.figure import Figure
     fig = Figure(figsize=(11, 7.5), dpi=80)
     ax = fig.subplots(2, 2)
-    seed = seed_sweep(published)
+    npu = npu_sweep(published)
     sweep = [r for r in rows if r.get("table") == "sweep" and _f(r.get("speedup"))]
-    configs = list(SEED_CONFIGS) + ["tree"]
-    groups = [("published BM1684 Llama-7B", {c: 1 + seed[c]["speedup_pct"] / 100 if c != "serial" else 1.0
-                                            for c in SEED_CONFIGS})]
+    configs = list(NPU_CONFIGS) + ["tree"]
+    groups = [("published BM1684 Llama-7B", {c: 1 + npu[c]["speedup_pct"] / 100 if c != "serial" else 1.0
+                                            for c in NPU_CONFIGS})]
     for key in dict.fromkeys((r["suite"], r["drafter"]) for r in sweep):
         groups.append((f"{key[0]}: {key[1]}"[:40], {r["config"]: _f(r["speedup"]) for r in sweep
                                                     if (r["suite"], r["drafter"]) == key}))
@@ -191,7 +194,7 @@ def plot(rows, published, path=None):
     ax[0, 0].axhline(1, color="k", lw=0.8)
     ax[0, 0].set_xticks([j + 0.4 - w / 2 for j in range(len(configs))], configs)
     ax[0, 0].set_ylabel("speedup over serial (x)")
-    ax[0, 0].set_title("the seed's depth sweep (missing bar = not run)", fontsize=9)
+    ax[0, 0].set_title("depth sweep: MTP-2/4/8 vs serial (missing bar = not run)", fontsize=9)
     ax[0, 0].legend(fontsize=6)
     ana = [r for r in rows if r.get("table") == "analytic"]
     lim = 1.0
