@@ -18,15 +18,16 @@ this mode (it pads to 2 rows), because the 1-row path rounds differently.
   - keys are processed in chunks of C positions aligned at position 0, whatever is cached and whatever is a tree node;
   - a node's scores are bf16 matmul outputs (the same bits whichever call computes them), its softmax uses its exact
     max, p = exp(s * scale - max) is rounded to bf16;
-  - each chunk's partial [sum_j p_j v_j, sum_j p_j] is one bf16 matmul over exactly that chunk's C positions (with a
-    column of ones for the sum of p), so it is the same whether the chunk's keys came from the cache or the tree;
+  - each chunk's partial sum_j p_j v_j is one bf16 matmul over exactly that chunk's C positions, and sum_j p_j one
+    fixed-length reduction over them, so both are the same whether the chunk's keys came from the cache or the tree;
   - the partials are added in position order by a sequential (double-accumulating) cumsum; chunks a node cannot see
     are exact zeros, and adding zeros changes nothing.
 Chunks wholly below the earliest tree position are computed for all nodes at once from the cache ("shared"); the last
 one or two chunks are gathered per node: the cached keys of the chunk plus the node's ancestors by depth ("tail").
 
 Cost: the same arithmetic as plain attention plus a per-node gather of at most 2C keys; the per-step plan (masks and
-gather indices) is built once and reused by every layer. The output is bf16-accurate attention (probabilities and
+gather indices) is built once and reused by every layer. It costs a little more than the plain twin per
+step; notebook 05 measures both. The output is bf16-accurate attention (probabilities and
 chunk partials rounded to bf16, sums in fp32/fp64), not the fp32 twin's numbers: use it for bf16/fp16 models.
 """
 from dataclasses import dataclass

@@ -82,7 +82,7 @@ class Tree:
 
     @classmethod
     def chain(cls, n):
-        """A depth-n chain of top-1 drafts (the seed's MTP-n)."""
+        """A depth-n chain of top-1 drafts: MTP-n in the MTP-on-NPU report's table (n tokens predicted per step)."""
         return cls.from_choices([(0,) * d for d in range(1, n + 1)])
 
     @classmethod
@@ -139,7 +139,7 @@ class Tree:
 # presets are the best N-node trees for it; `Tree.from_accuracies` builds one from *measured* accuracies.
 TYPICAL_ACC = [[0.6 * 0.75 ** h * 0.5 ** r for r in range(10)] for h in range(4)]
 
-# Named presets (lists of choices). chain-n is the seed's MTP-n (needs n heads).
+# Named presets (lists of choices). chain-n is a depth-n chain of top-1 drafts, "MTP-n" (needs n heads).
 PRESETS = {f"chain-{n}": [(0,) * d for d in range(1, n + 1)] for n in (1, 2, 3, 4, 5, 8)}
 for _n in (8, 16, 32, 64):
     PRESETS[f"medusa-{_n}"] = list(Tree.from_accuracies(TYPICAL_ACC, _n).paths[1:])

@@ -1,0 +1,86 @@
+"""Batch-invariant attention: a node's bf16 output is bit-identical whether its ancestors are cached (serial decoding)
+or tree nodes (an MTP step), so bf16 MTP emits exactly the serial tokens."""
+import pytest
+import torch
+
+import mtp_triton as mt
+from mtp_triton import invariant as inv
+from mtp_triton import reference as ref
+from mtp_triton.tree import PRESETS, Tree
+from hf_models import make_hf
+
+DT = torch.bfloat16
+
+
+def test_this_machine_has_row_invariant_bf16_matmuls():
+    """The property the exact mode stands on (see invariant.py); if a CPU lacks it, bf16 MTP == serial is not assured."""
+    assert inv.matmul_is_row_invariant(DT)
+
+
+def _case(ns, tree, Hq=9, Hkv=3, Dh=64, BS=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    B, T = len(ns), tree.size
+    per = max((n + T + BS - 1) // BS for n in ns) + 1
+    NB = B * per + 2
+    k_cache, v_cache = (torch.randn(NB, BS, Hkv, Dh, generator=g).to(DT) for _ in range(2))
+    bt = torch.randperm(NB, generator=g)[:B * per].view(B, per).int()
+    q = torch.randn(B, T, Hq, Dh, generator=g).to(DT)
+    k_tree, v_tree = (torch.randn(B, T, Hkv, Dh, generator=g).to(DT) for _ in range(2))
+    return q, k_cache, v_cache, bt, torch.tensor(ns, dtype=torch.int32), k_tree, v_tree
+
+
+def _serial_equivalent(case, tree, b, i, window):
+    """Node i of sequence b as a serial step would compute it: its ancestors written into the cache, T = 1."""
+    q, k_cache, v_cache, bt, cl, k_tree, v_tree = case
+    BS = k_cache.shape[1]
+    anc = [j for j in range(tree.size) if tree.mask[i, j] and j != i]
+    kc, vc = k_cache.clone(), v_cache.clone()
+    n = int(cl[b])
+    for d, j in enumerate(anc):
+        p = n + d
+        blk = int(bt[b, p // BS])
+        kc[blk, p % BS], vc[blk, p % BS] = k_tree[b, j], v_tree[b, j]
+    return inv.tree_attention(q[b:b + 1, i:i + 1].contiguous(), kc, vc, bt[b:b + 1].contiguous(),
+                              torch.tensor([n + len(anc)], dtype=torch.int32), k_tree[b:b + 1, i:i + 1].contiguous(),
+                              v_tree[b:b + 1, i:i + 1].contiguous(), torch.ones(1, 1, dtype=torch.bool),
+                              window=window)[0, 0]
+
+
+@pytest.mark.parametrize("ns", [[0], [5], [31], [32], [33], [63], [100, 7, 64]], ids=str)
+@pytest.mark.parametrize("tree_name", ["chain-4", "medusa-16"])
+@pytest.mark.parametrize("window", [None, 8])
+def test_tree_step_is_bit_identical_to_serial_steps(ns, tree_name, window):
+    tree = Tree.from_choices(PRESETS[tree_name])
+    case = _case(ns, tree)
+    out = inv.tree_attention(*case, tree.mask, window=window)
+    for b in range(len(ns)):
+        for i in range(tree.size):
+            assert torch.equal(out[b, i], _serial_equivalent(case, tree, b, i, window)), (b, i)
+
+
+def test_close_to_the_fp32_twin():
+    tree = Tree.from_choices(PRESETS["medusa-16"])
+    q, kc, vc, bt, cl, kt, vt = _case([70, 3], tree, Hq=4, Hkv=2, Dh=24)
+    out = inv.tree_attention(q, kc, vc, bt, cl, kt, vt, tree.mask).float()
+    want = ref.tree_attention(q.float(), kc.float(), vc.float(), bt, cl, kt.float(), vt.float(), tree.mask)
+    assert (out - want).abs().max() < 3e-2                      # bf16 probabilities and chunk partials
+
+
+def test_nan_in_slots_nobody_sees_is_ignored():
+    tree = Tree.from_choices(PRESETS["chain-2"])
+    q, kc, vc, bt, cl, kt, vt = _case([40], tree, Hq=4, Hkv=2, Dh=16)
+    used = {int(x) for x in bt[0, :3]}
+    for blk in range(kc.shape[0]):
+        if blk not in used:
+            kc[blk], vc[blk] = float("nan"), float("nan")
+    assert not torch.isnan(inv.tree_attention(q, kc, vc, bt, cl, kt, vt, tree.mask)).any()
+
+
+@pytest.mark.parametrize("tree", ["chain-4", "medusa-16"])
+def test_bf16_mtp_equals_serial_end_to_end(tree):
+    """A bf16 model on CPU decodes in exact mode: MTP with random heads emits the serial tokens, batch 3."""
+    model = mt.LlamaEngine.from_hf(make_hf("gqa-hd16-v203-untied-L2"), dtype=DT)
+    heads = mt.init_heads(model, num_heads=4, seed=2)
+    prompts = [[5, 17, 33, 42, 90, 1] * 6, [7, 8, 9], list(range(10, 47))]
+    serial = mt.generate(model, prompts, 40, mtp=False).tokens
+    assert mt.generate(model, prompts, 40, heads=heads, tree=tree).tokens == serial
