@@ -3,13 +3,16 @@
     python scripts/render_readme_results.py          # rewrite the block between the markers
     python scripts/render_readme_results.py --check  # exit 1 if README.md is out of date (used by a test)
 
-Sources: results/*/demo.csv, results/*/eval/eval.csv, data/tiny-stdlib-llama/records/tau_generate.json.
+Sources: results/cpu/demo/demo.csv (the main job), results/cpu/eval/eval.csv (the evaluation harness),
+data/smollm2-135m-instruct-heads/records/train_distill.json (the heads' held-out tau), results/cpu/tables/tables.csv
+(the measured depth sweep), results/aot/aot.csv (the ahead-of-time GPU audit), and results/<gpu>/ if any.
 """
 import csv
 import glob
 import json
 import os
 import sys
+from collections import defaultdict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEGIN, END = "<!-- results:begin (scripts/render_readme_results.py) -->", "<!-- results:end -->"
@@ -24,60 +27,146 @@ def _stamp(r):
     return f"{r['device']}, torch {r['torch']}, triton {r['triton']}, commit {r['commit']}, {r['timestamp'][:10]}"
 
 
+def _latest(rows, key="timestamp"):
+    last = max(r[key] for r in rows)
+    return [r for r in rows if r[key] == last]
+
+
+def demo_block(path):
+    rows = _latest(_rows(path))
+    m = [r for r in rows if r["mode"] == "mtp"][0]
+    rel = os.path.relpath(path, ROOT)
+    out = [f"**Main demo** (`{m['command']}`; {_stamp(m)}; {m['model']}, {m['dtype']}, {m['threads']} threads, "
+           f"batch 1, up to {m['max_new_tokens']} new tokens, kernels {m['kernels']}, the heads' tree of "
+           f"{m['tree_size']} nodes; rows: `{rel}`):\n",
+           "| category | prompts | serial decode tok/s | MTP decode tok/s | speedup | τ | identical |",
+           "|---|---|---|---|---|---|---|"]
+    cats = list(dict.fromkeys(r["category"] for r in rows))
+    for c in cats + ["all"]:
+        sel = [r for r in rows if c in ("all", r["category"])]
+        rate = {}
+        for mode in ("serial", "mtp"):
+            rr = [r for r in sel if r["mode"] == mode]
+            rate[mode] = sum(int(r["new_tokens"]) - 1 for r in rr) / sum(float(r["decode_s"]) for r in rr)
+        mt = [r for r in sel if r["mode"] == "mtp"]
+        tau = sum(int(r["new_tokens"]) - 1 for r in mt) / max(sum(int(r["steps"]) for r in mt), 1)
+        same = sum(r["identical"] == "True" for r in mt)
+        name = f"**{c}**" if c == "all" else c
+        out.append(f"| {name} | {len(mt)} | {rate['serial']:.1f} | {rate['mtp']:.1f} | {rate['mtp'] / rate['serial']:.2f}× "
+                   f"| {tau:.2f} | {same}/{len(mt)} |")
+    if m.get("predicted_speedup"):
+        out.append(f"\nSpeedup predicted when the tree was chosen (from measured step costs and held-out τ): "
+                   f"{float(m['predicted_speedup']):.2f}×.")
+    return out + [""]
+
+
+def eval_block(path):
+    rows = [r for r in _rows(path) if r.get("section") == "ab"]
+    if not rows:
+        return []
+    rows = _latest(rows, "commit") if "commit" in rows[0] else rows
+    rel = os.path.relpath(path, ROOT)
+    out = [f"**Evaluation harness** (`{rows[0]['command']}`; {_stamp(rows[0])}; greedy, batch 1; rows: `{rel}`, "
+           f"report: `{os.path.dirname(rel)}/report.md`):\n",
+           "| scenario | requests | decode tok/s off → on | speedup | τ | identical |", "|---|---|---|---|---|---|"]
+    for sc in sorted({r["scenario"] for r in rows}) + ["all"]:
+        sel = [r for r in rows if sc in ("all", r["scenario"])]
+        rate = {}
+        for mode in ("off", "on"):
+            rr = [r for r in sel if r["mode"] == mode]
+            rate[mode] = sum(int(r["new_tokens"]) - 1 for r in rr) / sum(float(r["e2e_s"]) - float(r["ttft_s"])
+                                                                         for r in rr)
+        on = [r for r in sel if r["mode"] == "on"]
+        tau = sum(int(r["new_tokens"]) - 1 for r in on) / max(sum(int(r["steps"]) for r in on), 1)
+        same = sum(r["identical"] == "True" for r in on)
+        out.append(f"| {sc} | {len(on)} | {rate['off']:.1f} → {rate['on']:.1f} | {rate['on'] / rate['off']:.2f}× | "
+                   f"{tau:.2f} | {same}/{len(on)} |")
+    return out + [""]
+
+
+def heads_block(path):
+    info = json.load(open(path))
+    ev = info["heldout"]["chat"]
+    names = list(ev["all"]["tau"])
+    rel = os.path.relpath(path, ROOT)
+    out = [f"**SmolLM2 heads, τ on the hand-written held-out chat prompts** (greedy, exact replay of this engine's "
+           f"own answers; {info['steps']} training steps; `{rel}`, see the heads' card):\n",
+           "| category | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for cat, e in ev.items():
+        out.append(f"| {cat} | " + " | ".join(f"{e['tau'][n]:.2f}" for n in names) + " |")
+    return out + [""]
+
+
+def sweep_block(path):
+    rows = [r for r in _rows(path) if r.get("suite") == "smollm2" and r.get("table") not in (None, "", "skipped")]
+    if not rows:
+        return []
+    rows = _latest(rows, "run_id") if "run_id" in rows[0] else rows
+    rel = os.path.relpath(path, ROOT)
+    r0 = rows[0]
+    out = [f"**Depth sweep on SmolLM2** (`{r0.get('command', 'python -m mtp_triton tables')}`; {_stamp(r0)}; CPU, "
+           f"bf16, batch 1; rows: `{rel}`; the NPU report's MTP-2/4/8 for Llama-7B on a BM1684 are beside it in "
+           f"`{os.path.dirname(rel)}/tables.md`):\n",
+           "| config | decode tok/s | ms / token | τ | speedup | identical |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.get("config") in (None, ""):
+            continue
+        out.append(f"| {r['config']} | {float(r['tokens_per_s']):.1f} | {float(r['ms_per_token']):.1f} | "
+                   f"{float(r['tau']):.2f} | {float(r['speedup']):.2f}× | {r.get('identical_to_serial', '')} |")
+    return out + [""]
+
+
+def aot_block(path):
+    rows = _rows(path)
+    rel = os.path.relpath(path, ROOT)
+    r0 = rows[0]
+    per = defaultdict(lambda: dict(n=0, ok=0, regs=0, spill=0, shared=0, tc=set()))
+    targets = sorted({r["target"] for r in rows}, key=lambda t: int(t.split("_")[1]))
+    for r in rows:
+        k = per[(r["kernel"], r["target"])]
+        k["n"] += 1
+        k["ok"] += r["status"] == "ok"
+        k["regs"] = max(k["regs"], int(r["regs"] or 0))
+        k["spill"] = max(k["spill"], int(r["spill_stores"] or 0))
+        k["shared"] = max(k["shared"], int(r["shared_bytes"] or 0))
+        if r["tensor_cores"] not in ("", "none"):
+            k["tc"].add(r["tensor_cores"])
+    out = [f"**GPU evidence without a GPU: the ahead-of-time compile audit** (`python -m mtp_triton aot --out "
+           f"results/aot`; compiled on {r0['device']}, triton {r0['triton']}, ptxas {r0.get('ptxas', '?')}, commit "
+           f"{r0['commit']}; {len(rows)} launches; `{rel}`, summary `results/aot/aot.md`). Worst case per kernel "
+           "over the launch matrix (Llama-2-7B, Llama-3-8B, Mistral-7B, SmolLM2-135M, Vicuna-7B Medusa heads; "
+           "bf16/fp16; batch, tree and context sizes): registers / spill bytes / shared KB, tensor-core instructions. "
+           "Compile-time facts, not timings.\n",
+           "| kernel | " + " | ".join(targets) + " |", "|---" * (len(targets) + 1) + "|"]
+    for kernel in sorted({r["kernel"] for r in rows if r["kernel"] not in ("", "-")}):
+        cells = []
+        for t in targets:
+            k = per.get((kernel, t))
+            if not k or not k["n"]:
+                cells.append("—")
+                continue
+            tc = "/".join(sorted(k["tc"])) or "no MMA"
+            fail = "" if k["ok"] == k["n"] else f", {k['n'] - k['ok']} failed"
+            cells.append(f"{k['regs']} / {k['spill']} / {k['shared'] // 1024}, {tc}{fail}")
+        out.append(f"| `{kernel}` | " + " | ".join(cells) + " |")
+    return out + [""]
+
+
 def render():
     out = []
-    for path in sorted(glob.glob(os.path.join(ROOT, "results", "*", "demo.csv"))):
-        rows = _rows(path)
-        ser = [r for r in rows if r["mode"] == "serial"][-1]
-        mtp = [r for r in rows if r["mode"] == "mtp"][-1]
-        rel = os.path.relpath(path, ROOT)
-        s, m = float(ser["decode_tokens_per_s"]), float(mtp["decode_tokens_per_s"])
-        out.append(f"**Main demo** (`{mtp['command']}`; {_stamp(mtp)}; batch {mtp['batch']}, "
-                   f"{mtp['max_new_tokens']} new tokens, kernels {mtp['kernels']}, tree `{mtp['tree']}` → "
-                   f"{mtp['tree_size']} nodes; rows: `{rel}`):\n")
-        out.append("| | decode tokens/s | tokens per step (τ) | output identical to serial |")
-        out.append("|---|---|---|---|")
-        out.append(f"| serial | {s:.1f} | 1.00 | — |")
-        out.append(f"| MTP | {m:.1f} ({m / s:.2f}×) | {float(mtp['tokens_per_step']):.2f} | {mtp['identical']} |\n")
-    for path in sorted(glob.glob(os.path.join(ROOT, "results", "*", "eval", "eval.csv"))):
-        rows = [r for r in _rows(path) if r["section"] == "ab"]
-        rel = os.path.relpath(path, ROOT)
-        out.append(f"**Evaluation harness** (`{rows[0]['command']}`; {_stamp(rows[0])}; greedy, batch 1; rows: "
-                   f"`{rel}`, report: `{os.path.dirname(rel)}/report.md`):\n")
-        out.append("| scenario | requests | decode tok/s off → on | speedup | τ | identical |")
-        out.append("|---|---|---|---|---|---|")
-        for sc in sorted({r["scenario"] for r in rows}) + ["all"]:
-            sel = [r for r in rows if sc in ("all", r["scenario"])]
-            rate = {}
-            for mode in ("off", "on"):
-                rr = [r for r in sel if r["mode"] == mode]
-                rate[mode] = sum(int(r["new_tokens"]) - 1 for r in rr) / sum(
-                    float(r["e2e_s"]) - float(r["ttft_s"]) for r in rr)
-            on = [r for r in sel if r["mode"] == "on"]
-            tau = sum(int(r["new_tokens"]) - 1 for r in on) / max(sum(int(r["steps"]) for r in on), 1)
-            same = sum(r["identical"] == "True" for r in on)
-            out.append(f"| {sc} | {len(on)} | {rate['off']:.1f} → {rate['on']:.1f} | {rate['on'] / rate['off']:.2f}× | "
-                       f"{tau:.2f} | {same}/{len(on)} |")
-        out.append("")
-    tau_file = os.path.join(ROOT, "data", "tiny-stdlib-llama", "records", "tau_generate.json")
-    if os.path.exists(tau_file):
-        with open(tau_file) as f:
-            t = json.load(f)
-        env = t.get("env", {})
-        out.append(f"**Embedded model, τ by tree** ({t['num_prompts']} held-out third-party prompts, "
-                   f"{t['new_tokens']} new tokens, greedy; {env.get('device', '?')}, commit {env.get('commit', '?')}; "
-                   f"`data/tiny-stdlib-llama/records/tau_generate.json`, see the model card):\n")
-        out.append("| tree | " + " | ".join(t["trees"]) + " |")
-        out.append("|---" * (len(t["trees"]) + 1) + "|")
-        out.append("| nodes | " + " | ".join(str(v["nodes"]) for v in t["trees"].values()) + " |")
-        out.append("| τ | " + " | ".join(f"{v['tau']:.2f}" for v in t["trees"].values()) + " |")
-        out.append("| identical to serial | " + " | ".join(str(v["identical_to_serial"]) for v in t["trees"].values())
-                   + " |\n")
-    gpu = sorted(d for d in glob.glob(os.path.join(ROOT, "results", "*"))   # results/aot: compiled here, not a GPU run
-                 if "cpu" not in os.path.basename(d) and os.path.basename(d) != "aot")
-    if not any(os.path.isdir(d) for d in gpu):
-        out.append("**GPU:** no GPU measurement is recorded yet — `scripts/gpu_check.sh` (GPU tests, the four kernel "
-                   "benchmarks, end-to-end A/B with and without CUDA graphs, the tables) is ready for the next "
+    for path, block in (("results/cpu/demo/demo.csv", demo_block), ("results/cpu/eval/eval.csv", eval_block),
+                        ("data/smollm2-135m-instruct-heads/records/train_distill.json", heads_block),
+                        ("results/cpu/tables/tables.csv", sweep_block), ("results/aot/aot.csv", aot_block)):
+        full = os.path.join(ROOT, path)
+        if os.path.exists(full):
+            out += block(full)
+    gpu = [d for d in glob.glob(os.path.join(ROOT, "results", "*"))
+           if os.path.isdir(d) and os.path.basename(d) not in ("cpu", "aot")]
+    if gpu:
+        out.append("**GPU runs:** " + ", ".join(f"`{os.path.relpath(d, ROOT)}`" for d in sorted(gpu)))
+    else:
+        out.append("**GPU:** no GPU measurement is recorded yet — `scripts/gpu_check.sh` (the audit, GPU tests, the "
+                   "kernel benchmarks, end-to-end A/B with and without CUDA graphs, the tables) is ready for the next "
                    "session that is lent one; its rows will land in `results/<gpu>/`.")
     return "\n".join(out).rstrip() + "\n"
 
