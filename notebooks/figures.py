@@ -260,3 +260,131 @@ def kv_layouts_figure(panels, width, read):
                  fontsize=9)
     fig.tight_layout()
     return fig
+
+
+# ---- 06-profiling-and-speedup-tables, 07-evaluation: measurement pictures, drawn from rows --------------------
+def roofline_figure(machines, marks=(1, 16, 64), title=""):
+    """Attainable FLOP/s against arithmetic intensity I (FLOPs per byte moved): min(peak, bandwidth x I).
+
+    machines: [(label, peak FLOP/s, bytes/s)]. marks: intensities marked on every line; for a verify step of T
+    tree nodes over bf16 weights (2 FLOPs per 2-byte weight per node) I = T. The ridge point peak / bandwidth is
+    where a machine stops being memory-bound. Returns the figure."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    xs = np.logspace(-0.3, 3.3, 200)
+    for k, (label, peak, bw) in enumerate(machines):
+        color = plt.get_cmap("tab10")(k)
+        ax.plot(xs, np.minimum(peak, bw * xs), color=color, lw=1.5,
+                label=f"{label}: ridge at {peak / bw:.0f} FLOP/B")
+        for m in marks:
+            ax.plot([m], [min(peak, bw * m)], "o", color=color, ms=4)
+    for m in marks:
+        ax.axvline(m, color="0.8", lw=0.6, zorder=0)
+        ax.text(m, 0.02, f" T={m}", fontsize=7, color="0.4", rotation=90, va="bottom",
+                transform=ax.get_xaxis_transform())
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOPs per byte); bf16 verify step of T nodes: I = T")
+    ax.set_ylabel("attainable FLOP/s")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+def cost_ratio_figure(curves, title=""):
+    """c(T) = time(T-node verify step) / time(1-node step) against T. curves: [(label, Ts, cs, style)], style a
+    matplotlib format string ('o-' for measured points, '--' for a model). The grey lines c = 1 (every node free,
+    memory-bound) and c = T (every node full price, compute-bound) bound every curve."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.0, 3.4))
+    tmax = max(max(ts) for _, ts, _, _ in curves)
+    ax.plot([1, tmax], [1, 1], color="0.6", lw=0.8, ls=":", label="c = 1 (memory-bound: nodes are free)")
+    ax.plot([1, tmax], [1, tmax], color="0.6", lw=0.8, ls="-.", label="c = T (compute-bound)")
+    for label, ts, cs, style in curves:
+        ax.plot(ts, cs, style, label=label, ms=4)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("tree nodes T (root included)")
+    ax.set_ylabel("c(T)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def published_speedups_figure(entries, title=""):
+    """Horizontal bars of published speedups. entries: [(label, speedup, group)]; one colour per group (e.g. the
+    hardware), a line at 1x (no gain)."""
+    import matplotlib.pyplot as plt
+
+    groups = list(dict.fromkeys(g for _, _, g in entries))
+    colors = {g: plt.get_cmap("tab10")(i) for i, g in enumerate(groups)}
+    fig, ax = plt.subplots(figsize=(8.0, 0.2 * len(entries) + 1.2))
+    ys = range(len(entries))
+    ax.barh(list(ys), [s for _, s, _ in entries], color=[colors[g] for _, _, g in entries])
+    ax.set_yticks(list(ys), [lab for lab, _, _ in entries], fontsize=7)
+    ax.invert_yaxis()
+    ax.axvline(1.0, color="k", lw=0.8)
+    for y, (_, s, _) in zip(ys, entries):
+        ax.text(s, y, f" {s:.2f}x", va="center", fontsize=6)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[g]) for g in groups]
+    ax.legend(handles, groups, fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="hardware",
+              title_fontsize=6)
+    ax.set_xlim(0, max(s for _, s, _ in entries) * 1.15)
+    ax.set_xlabel("speedup over the same system's serial decoding (x)")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def tau_cost_figure(points, title=""):
+    """When MTP pays: tau (tokens per step) against c (time of an MTP step / time of a serial step), one labelled
+    point per (label, c, tau). Speedup = tau / c, so points above the diagonal tau = c are faster than serial."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.2, 3.6))
+    hi = max(max(c for _, c, _ in points), max(t for _, _, t in points)) * 1.15
+    ax.fill_between([0, hi], [0, hi], [hi, hi], color="tab:green", alpha=0.08, label="tau > c: MTP faster")
+    ax.plot([0, hi], [0, hi], "k--", lw=0.8, label="tau = c: break-even")
+    for k, (label, c, tau) in enumerate(points):
+        ax.plot([c], [tau], "o", ms=5)
+        ax.annotate(f"{label} ({tau / c:.2f}x)", (c, tau), fontsize=7, xytext=(4, -10 + 9 * (k % 3)),
+                    textcoords="offset points")                    # staggered: nearby points keep readable labels
+    ax.set_xlim(0, hi)
+    ax.set_ylim(0, hi)
+    ax.set_xlabel("c = MTP step time / serial step time")
+    ax.set_ylabel("tau = tokens per MTP step")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+def step_floor_figure(stacks, title=""):
+    """Where a decoding step's bandwidth floor goes: one bar per {label: {part: microseconds}}, each drawn as shares
+    of its own total (written at the end of the bar), so a 135M and a 7B model fit one axis. A floor is compulsory
+    bytes / datasheet bandwidth: a lower bound, never a timing."""
+    import matplotlib.pyplot as plt
+
+    parts = list(dict.fromkeys(p for s in stacks.values() for p in s))
+    colors = {p: plt.get_cmap("tab10")(i) for i, p in enumerate(parts)}
+    fig, ax = plt.subplots(figsize=(7.0, 0.35 * len(stacks) + 1.4))
+    for y, (label, s) in enumerate(stacks.items()):
+        total, left = sum(s.values()), 0.0
+        for p in parts:
+            v = 100 * s.get(p, 0.0) / total
+            ax.barh(y, v, left=left, color=colors[p], label=p if y == 0 else None)
+            left += v
+        ax.text(101, y, f"{total:,.1f} us", va="center", fontsize=7)
+    ax.set_yticks(range(len(stacks)), list(stacks), fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 118)
+    ax.set_xlabel("share of the step's floor (%); total floor at the right")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=len(parts))
+    fig.tight_layout()
+    return fig
