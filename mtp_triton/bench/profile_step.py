@@ -45,7 +45,8 @@ class _Timer(PhaseTimer):
 
 @contextlib.contextmanager
 def timed_attention(num_layers, device):
-    """Inside this block, every generate() call times its decode-step tree_attention calls into the yielded timer.
+    """Inside this block, every generate() call times its decode-step attention calls into the yielded timer
+    (`ops.tree_attention`, or the batch-invariant attention of the engine's exact mode).
 
     Implementation: generate() gets its kernels from `mtp_triton.generate.get_ops`; this swaps in a wrapper whose
     tree_attention is timed, skipping the first `num_layers` calls of each generate() (the prefill forward).
@@ -68,11 +69,23 @@ def timed_attention(num_layers, device):
             return out
         return SimpleNamespace(**dict(vars(ops), tree_attention=tree_attention))
 
+    # bf16/fp16 on CPU: the engine's exact mode calls the batch-invariant attention directly (decode steps only)
+    inv_mod = importlib.import_module("mtp_triton.invariant")
+    real_inv = inv_mod.attention
+
+    def invariant_attention(*args, **kw):
+        t0 = timer.start()
+        out = real_inv(*args, **kw)
+        timer.stop(t0)
+        return out
+
     gen_mod.get_ops = get_ops
+    inv_mod.attention = invariant_attention
     try:
         yield timer
     finally:
         gen_mod.get_ops = real
+        inv_mod.attention = real_inv
 
 
 def _kw(gen_kw, i):
