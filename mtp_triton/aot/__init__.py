@@ -2,18 +2,23 @@
 
     python -m mtp_triton aot --out results/aot            # full launch matrix, every target the toolchain supports
     python -m mtp_triton aot --quick --out /tmp/aot       # a few shapes per launcher (CI)
+    python -m mtp_triton aot --out results/aot --baseline results/aot/aot.csv   # ... and compare with the last one
 
 Each public launcher (fused_draft, tree_attention, tree_accept, tree_accept_sample, kv_append) is called at real
 model shapes (Llama-2-7B, Llama-3-8B, SmolLM2-135M; bf16/fp16; batch 1/8; trees of 1/16/64 nodes; 512/8192 cached
-tokens) on meta tensors that claim to be on a GPU, so it takes its GPU branch and Triton's own binder picks the
-specialisation; the kernels are compiled for sm_80 and sm_90 (and sm_100 / sm_120 where the bundled ptxas supports
-them), never launched. For every launch: compile status, registers, spills, shared memory against the limit,
-tensor-core instructions, warps/stages, programs vs SMs (waves) and a bandwidth floor (compulsory bytes / HBM
-bandwidth) on H100, H200 and A100. Writes OUT/aot.csv and OUT/aot.md.
+tokens; plus Medusa Vicuna-7B's per-head LM heads, draft vocabularies of SmolLM2 and Llama-3, and Mistral-7B's
+sliding window) on meta tensors that claim to be on a GPU, so it takes its GPU branch and Triton's own binder picks
+the specialisation; the kernels are compiled for sm_80 and sm_90 (and sm_100 / sm_120 where the bundled ptxas
+supports them), never launched. For every launch: compile status, registers, spills, shared memory against the
+limit, tensor-core instructions, SASS instruction counts, warps/stages, the run-time split count, programs vs SMs
+(waves) and a bandwidth floor (compulsory bytes / HBM bandwidth) on H100, H200 and A100; for the sampling
+acceptance at V = 32k, T = 64 also an instruction-issue floor from the walk kernel's SASS. Writes OUT/aot.csv and
+OUT/aot.md.
 
-Exit status: 0 when every launch compiled, nothing spills and shared memory fits; 1 otherwise; 3 if a worker
-process crashed. The compile work runs in a subprocess without TRITON_INTERPRET (the tests set it in their own
-process; the audit needs the real @triton.jit kernels).
+Exit status: 0 when every launch compiled, nothing spills (any spill byte, on any target, fails: there is no
+tolerance), shared memory fits, every kernel can be resident and every byte formula applies; 1 otherwise; 3 if a
+worker process crashed. The compile work runs in a subprocess without TRITON_INTERPRET (the tests set it in their
+own process; the audit needs the real @triton.jit kernels).
 """
 import argparse
 import json
@@ -61,14 +66,23 @@ def run_workers(targets, quick, jobs=1):
 def main(argv=None):
     from . import report
     argv = sys.argv[1:] if argv is None else list(argv)
-    ap = argparse.ArgumentParser(prog="python -m mtp_triton aot", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m mtp_triton aot", description=__doc__.split("\n\n")[0],
+                                 epilog=__doc__.split("\n\n")[-1], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="results/aot", help="folder for aot.csv and aot.md (default results/aot)")
     ap.add_argument("--quick", action="store_true", help="a few shapes per launcher (CI)")
     ap.add_argument("--targets", default="auto",
                     help=f"comma-separated subset of {','.join(ARCHS)}; auto (default): all of them, each used only "
                          "if the bundled ptxas supports it")
     ap.add_argument("--jobs", type=int, default=1, help="worker processes (targets are split between them)")
+    ap.add_argument("--baseline", default=None, metavar="CSV",
+                    help="an earlier audit's aot.csv (read before OUT is written, so it may be OUT/aot.csv): aot.md "
+                         "then compares compiled variants (recompiles) before and now on the calls both made")
     a = ap.parse_args(argv)
+    baseline = None
+    if a.baseline:
+        if not os.path.exists(a.baseline):
+            ap.error(f"--baseline {a.baseline}: no such file")
+        baseline = report.read_csv(a.baseline)
     targets = list(ARCHS) if a.targets == "auto" else a.targets.split(",")
     unknown = [t for t in targets if t not in ARCHS]
     if unknown:
@@ -82,7 +96,7 @@ def main(argv=None):
     seconds = time.perf_counter() - t0
     command = " ".join(["python -m mtp_triton aot", *argv])
     report.write_csv(os.path.join(a.out, "aot.csv"), result["rows"], result["env"])
-    report.write_md(os.path.join(a.out, "aot.md"), result, command, seconds)
+    report.write_md(os.path.join(a.out, "aot.md"), result, command, seconds, baseline)
     fails = report.failures(result["rows"])
     print(f"aot: {len(result['rows'])} launch rows for {[t['target'] for t in result['targets'] if t['supported']]} "
           f"in {seconds:.0f} s -> {a.out}/aot.csv, aot.md; {len(fails)} problem(s)")

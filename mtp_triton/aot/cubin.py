@@ -6,6 +6,10 @@
 * `cuobjdump -res-usage` prints REG, STACK, SHARED (static), LOCAL.
 * `cuobjdump -sass` is counted for tensor-core instructions: HMMA (mma.sync, sm_80+), HGMMA (wgmma, sm_90a),
   UTC*MMA (tcgen05, sm_100a) — none means the dots ran on the FMA units — and for STL/LDL (local memory).
+  Its structure is read too (`sass_structure`): instructions in the listing (each is one warp instruction when a
+  warp executes it), global loads (LDG), and loops, found as backward branches: a `BRA` to a lower address closes
+  a loop whose body is every instruction from the target up to the branch. `issue_cycles` turns that into a
+  lower bound on a kernel's time from its instruction stream alone (see there).
 """
 import functools
 import os
@@ -59,6 +63,20 @@ def ptxas_supports(capability):
     return True, f"{os.path.basename(path)} {tool_version(path)}"
 
 
+@functools.lru_cache(maxsize=None)
+def triton_reg_alloc_flags():
+    """['--regAllocOptLevel=2'] if the installed Triton's make_cubin passes it to ptxas (3.7.1 does, "to work around
+    ptxas 13.x bug"), else []. It matters: with it, ptxas-blackwell 13.1 stops at 80 registers and spills 16 B in a
+    kernel it compiles without spills (same 80 registers) when the flag is left out."""
+    import inspect
+    try:
+        from triton.backends.nvidia.compiler import CUDABackend
+        source = inspect.getsource(CUDABackend.make_cubin)
+    except Exception:                     # source not available: assume the flag, as the newest Triton does
+        return ("--regAllocOptLevel=2",)
+    return ("--regAllocOptLevel=2",) if "--regAllocOptLevel=2" in source else ()
+
+
 def _run(cmd):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if r.returncode != 0:
@@ -94,6 +112,47 @@ def count_sass_ops(sass):
     return counts
 
 
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")
+_GLOBAL_LOAD = re.compile(r"^(?:@!?U?P\w+\s+)?(?:LDG|LDGSTS|UTMALDG)\b")
+_BRANCH = re.compile(r"\bBRA(?:\.\w+)*\s+(?:!?U?P\w+,\s*)?0x([0-9a-f]+)")
+
+
+def sass_structure(sass):
+    """Instruction stream of a one-function SASS listing -> dict:
+    sass_instrs: instructions, NOPs and the final branch-to-self not counted; sass_gld: global loads (LDG,
+    LDGSTS = cp.async, UTMALDG = TMA); loops: backward branches (a jump back from an out-of-line block placed
+    after the last EXIT, e.g. a barrier-wait retry, is not a loop); loop_instrs: the instructions inside any loop
+    body (a body = the branch target .. the backward branch; overlapping and nested bodies counted once, as their
+    union); straight_instrs = sass_instrs - loop_instrs: the instructions outside every loop."""
+    instrs = []                                        # (address, text)
+    for m in _SASS_LINE.finditer(sass):
+        addr, text = int(m.group(1), 16), m.group(2).strip()
+        b = _BRANCH.search(text)
+        if b and int(b.group(1), 16) == addr:          # the end-of-code self-branch
+            break
+        if text != "NOP":
+            instrs.append((addr, text))
+    exits = [a for a, t in instrs if re.match(r"^(?:@!?U?P\w+\s+)?EXIT\b", t)]
+    last_exit = max(exits) if exits else float("inf")
+    bodies = []                                        # (first address, branch address)
+    for addr, text in instrs:
+        b = _BRANCH.search(text)
+        if b and int(b.group(1), 16) < addr and (addr < last_exit or int(b.group(1), 16) > last_exit):
+            bodies.append((int(b.group(1), 16), addr))
+    in_loop = sum(1 for a, _ in instrs if any(lo <= a <= hi for lo, hi in bodies))
+    return dict(sass_instrs=len(instrs), sass_gld=sum(1 for _, t in instrs if _GLOBAL_LOAD.search(t)),
+                loops=len(bodies), loop_instrs=in_loop, straight_instrs=len(instrs) - in_loop)
+
+
+def issue_cycles(instructions, num_warps, schedulers=4):
+    """A lower bound on the cycles one program (thread block) needs: every warp issues `instructions` warp
+    instructions, and an SM's `schedulers` warp schedulers (one per SM sub-partition, 4 on sm_80 / sm_90 / sm_100)
+    each issue at most one warp instruction per cycle, so the busiest one issues ceil(num_warps / schedulers) warps'
+    worth. No stall is counted: dependent-instruction latency, memory latency, barriers and launch time all add
+    to it. cycles / clock is then a floor in seconds, like the bandwidth floor."""
+    return instructions * -(-num_warps // schedulers)
+
+
 def inspect_kernel(compiled, capability):
     """Resources of one compiled kernel (a triton CompiledKernel) -> dict of REG, spills, stack, local, static
     shared, tensor-core and local-memory instruction counts."""
@@ -104,11 +163,14 @@ def inspect_kernel(compiled, capability):
             f.write(compiled.asm["cubin"])
         with open(ptx, "w") as f:
             f.write(compiled.asm["ptx"])
-        # the flags of Triton's make_cubin (lineinfo, -v, --regAllocOptLevel=2); fmad follows enable_fp_fusion
+        # the flags of Triton's make_cubin (lineinfo, -v, and --regAllocOptLevel=2 where this Triton passes it);
+        # fmad follows enable_fp_fusion
         fmad = [] if getattr(compiled.metadata, "enable_fp_fusion", True) else ["--fmad=false"]
-        log = _run([ptxas_path(capability), "-lineinfo", *fmad, "-v", "--regAllocOptLevel=2",
+        log = _run([ptxas_path(capability), "-lineinfo", *fmad, "-v", *triton_reg_alloc_flags(),
                     f"--gpu-name={sm_name(capability)}", ptx, "-o", os.path.join(tmp, "again.cubin")])
         info = parse_ptxas_log(log)
         info.update(parse_res_usage(_run([os.path.join(d, "cuobjdump"), "-res-usage", cubin])))
-        info.update(count_sass_ops(_run([os.path.join(d, "cuobjdump"), "-sass", cubin])))
+        sass = _run([os.path.join(d, "cuobjdump"), "-sass", cubin])
+        info.update(count_sass_ops(sass))
+        info.update(sass_structure(sass))
     return info

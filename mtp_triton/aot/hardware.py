@@ -22,6 +22,7 @@ REG_ALLOC_PER_WARP = 256        # registers are handed to a warp in units of 256
 SHARED_ALLOC_UNIT = 128         # bytes
 RESERVED_SHARED_PER_BLOCK = 1 * KIB
 WARP = 32
+SCHEDULERS_PER_SM = 4           # one warp scheduler per SM sub-partition, one warp instruction per cycle each
 
 
 @dataclass(frozen=True)
@@ -43,12 +44,24 @@ class Arch:
 
 @dataclass(frozen=True)
 class Product:
-    """One GPU product: its architecture, SM count and HBM bandwidth, with the datasheet they come from."""
+    """One GPU product: its architecture, SM count, HBM bandwidth and FP32 peak, with the datasheet they come from.
+
+    The clock is derived, not quoted: the datasheet's FP32 (non-tensor) peak = SMs x FP32 lanes per SM x 2 flop per
+    FMA x clock (128 lanes per SM on GH100, 64 on GA100: the architecture whitepapers), e.g. 67 TFLOP/s /
+    (132 x 128 x 2) = 1.98 GHz for H100 SXM, 19.5 / (108 x 64 x 2) = 1.41 GHz for A100 (its whitepaper's boost clock).
+    """
     name: str
     arch: str
     sms: int
     hbm_bytes_per_s: float
     source: str
+    fp32_flops: float = 0.0
+    fp32_lanes_per_sm: int = 0
+
+    @property
+    def clock_hz(self):
+        """The boost clock implied by the FP32 peak (0 if the product has none listed)."""
+        return self.fp32_flops / (self.sms * self.fp32_lanes_per_sm * 2) if self.fp32_lanes_per_sm else 0.0
 
 
 ARCHS = {
@@ -61,19 +74,19 @@ ARCHS = {
 }
 
 PRODUCTS = {
-    # 3.35 TB/s: H100 SXM datasheet; 132 SMs: H100 architecture whitepaper (H100 SXM5)
+    # 3.35 TB/s, FP32 67 TFLOP/s: H100 SXM datasheet; 132 SMs of 128 FP32 lanes: H100 whitepaper (H100 SXM5)
     "H100": Product("H100", "sm_90", 132, 3.35e12,
                     "https://www.nvidia.com/en-us/data-center/h100/ ; "
-                    "https://resources.nvidia.com/en-us-tensor-core/gtc22-whitepaper-hopper"),
-    # 4.8 TB/s: H200 datasheet; the same GH100 GPU (132 SMs) with HBM3e
+                    "https://resources.nvidia.com/en-us-tensor-core/gtc22-whitepaper-hopper", 67e12, 128),
+    # 4.8 TB/s, FP32 67 TFLOP/s: H200 datasheet; the same GH100 GPU (132 SMs) with HBM3e
     "H200": Product("H200", "sm_90", 132, 4.8e12,
                     "https://www.nvidia.com/en-us/data-center/h200/ ; "
-                    "https://resources.nvidia.com/en-us-tensor-core/gtc22-whitepaper-hopper"),
-    # 2,039 GB/s: A100 80GB SXM datasheet; 108 SMs: Ampere architecture whitepaper
+                    "https://resources.nvidia.com/en-us-tensor-core/gtc22-whitepaper-hopper", 67e12, 128),
+    # 2,039 GB/s, FP32 19.5 TFLOP/s: A100 80GB SXM datasheet; 108 SMs of 64 FP32 lanes: Ampere whitepaper
     "A100": Product("A100", "sm_80", 108, 2.039e12,
                     "https://www.nvidia.com/en-us/data-center/a100/ ; "
                     "https://images.nvidia.com/aem-dam/en-zz/Solutions/data-center/"
-                    "nvidia-ampere-architecture-whitepaper.pdf"),
+                    "nvidia-ampere-architecture-whitepaper.pdf", 19.5e12, 64),
 }
 
 

@@ -4,12 +4,17 @@ Every case calls a public launcher of `mtp_triton.kernels` exactly as the engine
 engine's hot loop), on meta tensors that say they are on a GPU, so the launcher picks its GPU tiles, split counts
 and kernels itself. To audit a new launcher or keyword: add a `_run_<launcher>` function and its cases in `matrix`.
 
-Model shapes (hidden D, query/KV heads Hq/Hkv, head dim Dh, vocab V, layers L) are those of the models' published
-configs:
+Model shapes (hidden D, query/KV heads Hq/Hkv, head dim Dh, vocab V, layers L, sliding window W) are those of the
+models' published configs:
   Llama-2-7B    https://huggingface.co/meta-llama/Llama-2-7b-hf/blob/main/config.json
   Llama-3-8B    https://huggingface.co/meta-llama/Meta-Llama-3-8B/blob/main/config.json
   SmolLM2-135M  https://huggingface.co/HuggingFaceTB/SmolLM2-135M/blob/main/config.json
+  Vicuna-7B     https://huggingface.co/lmsys/vicuna-7b-v1.3/blob/main/config.json, with the Medusa heads of
+                https://huggingface.co/FasterDecoding/medusa-vicuna-7b-v1.3 (5 heads, each with its own [V, D] LM head)
+  Mistral-7B    https://huggingface.co/mistralai/Mistral-7B-v0.1/blob/main/config.json (sliding_window 4096)
 The paged cache uses the engine's default block size (16 tokens) and room for context + tree per sequence.
+Draft vocabularies (FR-Spec, https://arxiv.org/abs/2502.14856): the V' most frequent ids of the model's vocabulary,
+e.g. 8192 of SmolLM2's 49152 and 32768 of Llama-3's 128256 (lm_head [V', D] plus an int64 token_map [V']).
 """
 import itertools
 from dataclasses import asdict, dataclass
@@ -22,7 +27,11 @@ MODELS = {
     "llama2-7b": dict(D=4096, Hq=32, Hkv=32, Dh=128, V=32000, L=32),
     "llama3-8b": dict(D=4096, Hq=32, Hkv=8, Dh=128, V=128256, L=32),
     "smollm2-135m": dict(D=576, Hq=9, Hkv=3, Dh=64, V=49152, L=30),
+    "vicuna-7b": dict(D=4096, Hq=32, Hkv=32, Dh=128, V=32000, L=32),
+    "mistral-7b": dict(D=4096, Hq=32, Hkv=8, Dh=128, V=32000, L=32, W=4096),
 }
+GRID_MODELS = ("llama2-7b", "llama3-8b", "smollm2-135m")   # the full cross product; the others: their feature only
+DRAFT_VOCABS = {"smollm2-135m": 8192, "llama3-8b": 32768}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 BLOCK_SIZE = 16         # paged-cache block size (the engine's default)
 TOP_K = 10
@@ -39,13 +48,16 @@ class Case:
     ctx: int = None               # cached tokens per sequence
     H: int = None                 # draft heads
     top_k: int = None
+    per_head: bool = None         # fused_draft: one LM head per draft head, lm_head [H, V, D] (else shared [V, D])
+    draft_V: int = None           # fused_draft: a draft vocabulary of draft_V rows (lm_head [V', D] + token_map)
     kwargs: tuple = ()            # extra keyword arguments for the launcher, as (name, value) pairs
 
     @property
     def label(self):
         parts = [self.launcher, self.model, self.dtype] + [
-            f"{k}{v}" for k, v in (("B", self.B), ("T", self.T), ("ctx", self.ctx), ("H", self.H), ("k", self.top_k))
-            if v is not None] + [f"{k}={v}" for k, v in self.kwargs]
+            f"{k}{v}" for k, v in (("B", self.B), ("T", self.T), ("ctx", self.ctx), ("H", self.H), ("k", self.top_k),
+                                   ("V'", self.draft_V))
+            if v is not None] + (["per-head-lm"] if self.per_head else []) + [f"{k}={v}" for k, v in self.kwargs]
         return " ".join(p for p in parts if p)
 
     def as_dict(self):
@@ -65,9 +77,12 @@ def _cache_geometry(case):
 def _run_fused_draft(case):
     from ..kernels.drafting import fused_draft
     m, dt = MODELS[case.model], DTYPES[case.dtype]
-    B, H, D, V = case.B, case.H, m["D"], m["V"]
-    fused_draft(meta_cuda((B, D), dt), meta_cuda((H, D, D), dt), meta_cuda((H, D), dt), meta_cuda((V, D), dt),
-                case.top_k, **dict(case.kwargs))
+    B, H, D = case.B, case.H, m["D"]
+    V = case.draft_V or m["V"]                                  # lm_head rows: the draft vocabulary's, if any
+    lm_head = meta_cuda((H, V, D) if case.per_head else (V, D), dt)
+    token_map = meta_cuda((V,), torch.int64) if case.draft_V else None
+    fused_draft(meta_cuda((B, D), dt), meta_cuda((H, D, D), dt), meta_cuda((H, D), dt), lm_head, case.top_k,
+                token_map=token_map, check_values=False, **dict(case.kwargs))
 
 
 def _run_tree_attention(case):
@@ -125,26 +140,37 @@ def run_case(case):
 # ------------------------------------------------------------------------------------------------ the matrix
 
 def matrix(quick=False):
-    """The cases to audit. quick: one or two per launcher, enough to compile every kernel (incl. the split
-    combine) for every target; full: models x dtypes x batch 1/8 x tree 1/16/64 x context 512/8192 x heads 4/5."""
+    """The cases to audit. quick: one or two per launcher and feature, enough to compile every kernel (incl. the
+    split combine, per-head LM heads, a draft vocabulary and a sliding window) for every target; full: models x
+    dtypes x batch 1/8 x tree 1/16/64 x context 512/8192 x heads 4/5, plus per-head LM heads (Medusa Vicuna-7B),
+    draft vocabularies (SmolLM2 8192 / 49152, Llama-3 32768 / 128256) and Mistral-7B's 4096-token window at 8192."""
+    window = (("window", MODELS["mistral-7b"]["W"]),)
     if quick:
         return [
             Case("fused_draft", "llama3-8b", "bf16", B=1, H=4, top_k=TOP_K),
+            Case("fused_draft", "vicuna-7b", "bf16", B=1, H=5, top_k=TOP_K, per_head=True),
+            Case("fused_draft", "smollm2-135m", "bf16", B=1, H=4, top_k=TOP_K, draft_V=DRAFT_VOCABS["smollm2-135m"]),
             Case("tree_attention", "llama3-8b", "bf16", B=1, T=16, ctx=8192),     # split-KV + combine
             Case("tree_attention", "smollm2-135m", "fp16", B=8, T=64, ctx=512),   # one split, GQA 3
+            Case("tree_attention", "mistral-7b", "bf16", B=1, T=16, ctx=8192, kwargs=window),
             Case("tree_accept", B=1, T=16),
             Case("tree_accept_sample", "llama3-8b", "fp32", B=1, T=16),
             Case("kv_append", "llama2-7b", "bf16", B=1, T=16, ctx=8192),
         ]
     cases = []
-    grid = itertools.product(MODELS, ("bf16", "fp16"), (1, 8))
-    for model, dtype, B in grid:
+    for model, dtype, B in itertools.product(GRID_MODELS, ("bf16", "fp16"), (1, 8)):
         cases += [Case("fused_draft", model, dtype, B=B, H=H, top_k=TOP_K) for H in (4, 5)]
+        if model in DRAFT_VOCABS:
+            cases += [Case("fused_draft", model, dtype, B=B, H=H, top_k=TOP_K, draft_V=DRAFT_VOCABS[model])
+                      for H in (4, 5)]
         for T, ctx in itertools.product((1, 16, 64), (512, 8192)):
             cases.append(Case("tree_attention", model, dtype, B=B, T=T, ctx=ctx))
             cases.append(Case("kv_append", model, dtype, B=B, T=T, ctx=ctx))
+    for dtype, B in itertools.product(("bf16", "fp16"), (1, 8)):
+        cases.append(Case("fused_draft", "vicuna-7b", dtype, B=B, H=5, top_k=TOP_K, per_head=True))
+        cases += [Case("tree_attention", "mistral-7b", dtype, B=B, T=T, ctx=8192, kwargs=window) for T in (1, 16, 64)]
     for B, T in itertools.product((1, 8), (1, 16, 64)):
         cases.append(Case("tree_accept", B=B, T=T))
         # the engine's sampling probabilities are fp32 (logits_to_probs upcasts)
-        cases += [Case("tree_accept_sample", model, "fp32", B=B, T=T) for model in MODELS]
+        cases += [Case("tree_accept_sample", model, "fp32", B=B, T=T) for model in GRID_MODELS]
     return cases

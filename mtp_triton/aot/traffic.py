@@ -25,32 +25,46 @@ def _vocab_tile(a, case):
 
 
 def _merge(a, case):
-    # reads the partials (keys [R, NT, TOP_K] int64, m, s [R, NT] fp32) and, with a draft vocabulary, the ids of the
-    # selected rows (R * TOP_K int64 at least); writes ids int64 + logprobs fp32 [R, TOP_K]
-    mapped = a["ids_ptr"].nbytes if a["HAS_MAP"] else 0
+    # reads the partials (keys [R, NT, TOP_K] int64, m, s [R, NT] fp32) and, with a draft vocabulary (HAS_MAP), the
+    # token_map entries of the selected rows: R * TOP_K int64 (as many bytes as ids), at most the whole map;
+    # writes ids int64 + logprobs fp32 [R, TOP_K]
+    mapped = min(a["map_ptr"].nbytes, a["ids_ptr"].nbytes) if a["HAS_MAP"] else 0
     return sum(a[k].nbytes for k in ("key_ptr", "m_ptr", "s_ptr", "ids_ptr", "logp_ptr")) + mapped
 
 
+def _visible_cache(a, case):
+    """(cached tokens, block-table entries) a launch must read per sequence: all case.ctx tokens, or with a sliding
+    window W (USE_WINDOW) the last W - 1 of them: the root sits at position ctx and sees positions p > ctx - W; a
+    deeper node sees no older position (the kernel reads no cache tile older than the shallowest row's window)."""
+    ctx, BS = case.ctx, a["BS"]
+    lo = max(0, ctx - a["window"] + 1) if a.get("USE_WINDOW") else 0
+    if ctx <= lo:
+        return 0, 0
+    return ctx - lo, (ctx - 1) // BS - lo // BS + 1
+
+
 def _tree_attention(a, case):
-    # q [B, T, Hq, Dh] read; the cached K and V of every sequence: 2 * B * ctx * Hkv * Dh * elt (only the ctx tokens
-    # in use, not the whole block pool); the tree K/V [B, T, Hkv, Dh] x 2; the mask [T, T] (or [B, T, T]) as bytes;
-    # the block-table entries in use (ceil(ctx / BS) int32 per sequence) and cache_lens [B] int32.
-    # Output: out [B, T, Hq, Dh] when NUM_SPLITS == 1, else fp32 partials [S, B, T, Hq, Dh] and lse [S, B, T, Hq].
+    # q [B, T, Hq, Dh] read; the cached K and V that some node can see, 2 * B * tokens * Hkv * Dh * elt (only the
+    # ctx tokens in use, or a window's, not the whole block pool); the tree K/V [B, T, Hkv, Dh] x 2 (every node sees
+    # itself); the mask [T, T] (or [B, T, T]) as bytes; the block-table entries of those tokens (int32) and
+    # cache_lens [B] int32; with a window, the node depths (count_ptr, [T] or [B, T] int32).
+    # Output: out [B, T, Hq, Dh] without split-KV (SPLIT false), else the fp32 partials [n_splits, B, T, Hq, Dh] and
+    # their lse [n_splits, B, T, Hq] (the run-time split count: the launcher allocates exactly n_splits slices).
     q, k_tree, mask = a["q_ptr"], a["k_tree_ptr"], a["mask_ptr"]
     B, T, Hq, Dh = q.shape
-    Hkv, BS, S = a["Hkv"], a["BS"], a["NUM_SPLITS"]
-    elt = q.itemsize
-    cache = 2 * B * case.ctx * Hkv * Dh * elt
-    tables = B * -(-case.ctx // BS) * 4 + B * 4
-    out = q.nbytes if S == 1 else S * B * T * Hq * (Dh + 1) * 4
-    return q.nbytes + cache + 2 * k_tree.nbytes + mask.nbytes + tables + out
+    tokens, entries = _visible_cache(a, case)
+    cache = 2 * B * tokens * a["Hkv"] * Dh * q.itemsize
+    tables = B * entries * 4 + B * 4
+    depths = a["count_ptr"].nbytes if a.get("USE_WINDOW") else 0
+    out = a["part_ptr"].nbytes + a["lse_ptr"].nbytes if a["SPLIT"] else a["out_ptr"].nbytes
+    return q.nbytes + cache + 2 * k_tree.nbytes + mask.nbytes + tables + depths + out
 
 
 def _combine_splits(a, case):
-    # reads the partials [S, R, Dh] and lse [S, R] fp32; writes out [R, Dh] in q's dtype
-    R, Dh, S = a["R"], a["Dh"], a["NUM_SPLITS"]
-    out_elt = a["out_ptr"].itemsize
-    return S * R * (Dh + 1) * 4 + R * Dh * out_elt
+    # reads n_splits fp32 partials [R, Dh] and lse [R] (the run-time count, not the MAX_SPLITS bucket); writes
+    # out [R, Dh] in q's dtype
+    R, Dh, S = a["R"], a["Dh"], a["n_splits"]
+    return S * R * (Dh + 1) * 4 + R * Dh * a["out_ptr"].itemsize
 
 
 def _tree_accept(a, case):
@@ -65,12 +79,14 @@ def _tree_accept_sums(a, case):
 
 
 def _tree_accept_walk(a, case):
-    # per sequence at least: the root's group sums and counts, one chunk's sums/counts and one CHUNK of
-    # probabilities for the residual draw, p(x) of the root's children, plus tokens, parents, uniforms, outputs
+    # per sequence, whatever is accepted: p_parent(x_c) of every non-root node (T - 1 gathers, read for all
+    # accept tests at once), the group sums of the parents (the root's at least: NG) and the group counts of the
+    # last node (NG), one group's CPP chunk sums and counts, and one chunk of probabilities (min(CHUNK, V) ids) for
+    # the residual draw; plus tokens, parents, uniforms and the outputs
     B, T, V = a["probs_ptr"].shape
-    NC, NG, CPP, CHUNK = a["NC"], a["NG"], a["CPP"], a["CHUNK"]
+    NG, CPP, CHUNK = a["NG"], a["CPP"], a["CHUNK"]
     elt, acc = a["probs_ptr"].itemsize, a["sums_ptr"].itemsize
-    per_seq = NG * (acc + 4) + CPP * (acc + 4) + CHUNK * elt + T * elt
+    per_seq = NG * (acc + 4) + CPP * (acc + 4) + min(CHUNK, V) * elt + (T - 1) * elt
     small = sum(a[k].nbytes for k in ("draft_ptr", "parents_ptr", "u_accept_ptr", "u_sample_ptr",
                                       "accept_len_ptr", "accept_nodes_ptr", "next_ptr"))
     return B * per_seq + small

@@ -75,7 +75,8 @@ def make_row(arch, case, launch, inspected):
     row = dict(target=arch.name, **_case_fields(case))
     if launch is None:
         return row
-    row.update(kernel=launch.kernel, grid="x".join(map(str, launch.grid)), programs=math.prod(launch.grid))
+    row.update(kernel=launch.kernel, grid="x".join(map(str, launch.grid)), programs=math.prod(launch.grid),
+               n_splits=launch.args.get("n_splits"))        # split-KV count: a run-time argument, not compiled in
     if launch.compiled is None:
         row.update(status="compile_error", error=launch.error)
         return row
@@ -92,7 +93,11 @@ def make_row(arch, case, launch, inspected):
     sms = arch.launcher_sms if products else None
     row.update(blocks_per_sm=blocks, occupancy_limit=limiter, sms=sms,
                waves=waves(row["programs"], sms, blocks) if sms else None)
-    nbytes = min_bytes(launch.kernel, launch.args, case)
+    try:
+        nbytes = min_bytes(launch.kernel, launch.args, case)
+    except Exception as exc:             # a formula out of step with its kernel's arguments: a finding, not a crash
+        nbytes = None
+        row["bytes_error"] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
     row["min_bytes"] = nbytes
     for p in products:
         row[f"floor_us_{p.name}"] = None if nbytes is None else float(f"{floor_us(nbytes, p.hbm_bytes_per_s):.4g}")

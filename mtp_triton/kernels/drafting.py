@@ -377,10 +377,19 @@ def draft_config(B, H, D, V, top_k, device, per_head=False):
                     MERGE_R=_p2(B * H, 1, 16), CHUNK=1024, CHUNK_T=1024, num_warps=4, num_stages=1,
                     res_warps=4, res_stages=1)
     block_r = _p2(RG, 16, 128)
+    # Per target, from ahead-of-time compiles (python -m mtp_triton aot; ptxas 12.8 / ptxas-blackwell 13.1 with
+    # Triton 3.7.1's --regAllocOptLevel=2), so that no vocab tile spills:
+    #  * warps: 8 for 64+ rows. On sm_100 (tcgen05: the logits tile lives in tensor memory and is read into
+    #    registers for the top-k) always 8: at 4 warps ptxas stopped at 80-128 registers and spilled 16-36 B
+    #    (stores + loads); at 8 it needs 56-128 and spills nothing.
+    #  * BLOCK_D: 64; on sm_120 at 64+ rows 32: with 64 ptxas stopped at 128 registers and spilled 32 B (stores +
+    #    loads); with 32, 114 registers, half the shared memory per stage (sm_120 has 100 KB per SM), the same
+    #    3-stage pipeline, and two blocks per SM (by registers) instead of one (by shared memory).
+    major = torch.cuda.get_device_capability(device)[0]
     return dict(BLOCK_B=_p2(B, 16, 64), BLOCK_N=64, BLOCK_K=64,
-                BLOCK_R=block_r, BLOCK_V=128, BLOCK_D=64,
+                BLOCK_R=block_r, BLOCK_V=128, BLOCK_D=32 if major == 12 and block_r >= 64 else 64,
                 MERGE_R=1, CHUNK=2048, CHUNK_T=1024,
-                num_warps=8 if block_r >= 64 else 4, num_stages=3, res_warps=4, res_stages=3)
+                num_warps=8 if block_r >= 64 or major == 10 else 4, num_stages=3, res_warps=4, res_stages=3)
 
 
 def fused_draft(hidden, res_weight, res_bias, lm_head, top_k, *, token_map=None, check_values=True):

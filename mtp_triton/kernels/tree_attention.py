@@ -404,8 +404,10 @@ def split_bucket(num_splits):
 _PROGRAMS_PER_SM = {16: 3, 32: 2, 64: 1}
 
 
-def _tiles(rows, interp):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages, programs per SM) for G * T = rows query rows per KV head.
+def _tiles(rows, interp, major=None, window=False):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages, programs per SM) for G * T = rows query rows per KV head, on a
+    GPU of compute capability `major`.x (None: the interpreter, or no target-specific choice); `window`: the
+    sliding-window variant (USE_WINDOW).
 
     GPU dots need every dim >= 16. Register budget, from ahead-of-time compiles (ptxas -v, cuobjdump) of
     the Llama-2-7B / Llama-3-8B bf16 launches at B 1/8, T 1/16/64, context 512/8192: 64-row tiles with
@@ -413,10 +415,16 @@ def _tiles(rows, interp):
     so they run 8 warps: 159-186 registers on sm_90, 152-188 on sm_80, no spills (at odd T the unsplit
     variant still takes 254-255 on sm_80, without spills). 16-row tiles: 4 warps, 126-168 registers;
     32-row tiles (odd T only): 4 warps, 242-246, no spills. The window variant adds up to ~25.
+    sm_100, window variant, 64-row tiles: 32-key tiles and 3 stages. With 64-key tiles and 2 stages ptxas-blackwell
+    13.1 (with Triton 3.7.1's --regAllocOptLevel=2) stopped at 128 registers and spilled 8-32 B (Mistral-7B,
+    window 4096); with 32 x 3 it needs 100-126 and spills nothing, and keeps the same bytes in flight (two 16 KB
+    K/V tiles ahead instead of one 32 KB one). Other targets and variants are unchanged.
     """
     block_m = min(64, max(16, triton.next_power_of_2(rows)))
-    block_n = 32 if interp else 64
-    return block_m, block_n, 8 if block_m == 64 else 4, 2, _PROGRAMS_PER_SM[block_m]
+    block_n, num_stages = (32 if interp else 64), 2
+    if major == 10 and window and block_m == 64:
+        block_n, num_stages = 32, 3
+    return block_m, block_n, 8 if block_m == 64 else 4, num_stages, _PROGRAMS_PER_SM[block_m]
 
 
 def _tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask, sm_scale=None,
@@ -439,7 +447,8 @@ def _tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree
     interp = _interpreting()
 
     # tiles: the G * T rows of one KV head in query tiles of BLOCK_M
-    auto_m, auto_n, num_warps, num_stages, per_sm = _tiles(G * T, interp)
+    major = None if interp else torch.cuda.get_device_capability(q.device)[0]
+    auto_m, auto_n, num_warps, num_stages, per_sm = _tiles(G * T, interp, major, window is not None)
     block_m, block_n = block_m or auto_m, block_n or auto_n
     block_d = max(16, triton.next_power_of_2(Dh))
     num_m = triton.cdiv(G * T, block_m)
