@@ -137,7 +137,8 @@ def check_kv_append_inputs(k_cache, v_cache, block_table, cache_lens, k_tree, v_
 
 
 # batch size and cache size change between runs: not specialised on == 1 / divisibility by 16 (no recompiles)
-@triton.jit(do_not_specialize=["B", "NB", "max_blocks"])
+@triton.jit(do_not_specialize=["B", "NB", "max_blocks"],
+            do_not_specialize_on_alignment=["B", "NB", "max_blocks"])   # value (== 1) and alignment (% 16)
 def _kv_append_kernel(
     k_cache_ptr, v_cache_ptr,        # [L, NB, BS, Hkv, Dh]  ROW = Hkv * Dh contiguous elements per slot
     k_tree_ptr, v_tree_ptr,          # [L, B, T, Hkv, Dh]

@@ -201,7 +201,8 @@ def _online_softmax_update(acc, m_i, l_i, s, v, INPUT_PRECISION: tl.constexpr):
 # split count, the table width and the window change with batch size and cache capacity: not specialised,
 # so those never recompile. T is (a constant T = 1 and aligned mask rows save 30-50 registers for the
 # serial step and for trees of 16k nodes; at most three variants of T).
-@triton.jit(do_not_specialize=["NB", "max_blocks", "window", "n_splits"])
+@triton.jit(do_not_specialize=["NB", "max_blocks", "window", "n_splits"],
+            do_not_specialize_on_alignment=["NB", "max_blocks", "window", "n_splits"])
 def _tree_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, cache_lens_ptr, k_tree_ptr, v_tree_ptr, mask_ptr,
     count_ptr,                                  # [B or 1, T] int32 |tree_mask row| = depth + 1 (window only)
@@ -312,7 +313,7 @@ def _tree_attention_kernel(
         tl.store(lse_ptr + r, lse, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["R", "n_splits"])
+@triton.jit(do_not_specialize=["R", "n_splits"], do_not_specialize_on_alignment=["R", "n_splits"])
 def _combine_splits_kernel(part_ptr, lse_ptr, out_ptr, R, Dh, n_splits, MAX_SPLITS: tl.constexpr,
                            BLOCK_D: tl.constexpr):
     """out[r] = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse); one program per output row.
