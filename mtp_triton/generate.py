@@ -32,27 +32,37 @@ class GenerateResult:
     stats: GenerateStats
 
 
+def causal_chains(seqs, device):
+    """B token lists as one "tree" step with an empty cache: each sequence is a causal chain (prefill).
+
+    -> tokens [B, S], positions [B, S], mask [B, S, S] bool, lens [B]; shorter sequences are padded with nodes
+    that see only themselves (and are never stored)."""
+    B, S = len(seqs), max(len(p) for p in seqs)
+    lens = torch.tensor([len(p) for p in seqs], device=device)
+    tokens = torch.zeros(B, S, dtype=torch.int64, device=device)
+    for b, p in enumerate(seqs):
+        tokens[b, : len(p)] = torch.tensor(p, device=device)
+    idx = torch.arange(S, device=device)
+    real = idx[None, :] < lens[:, None]                                       # [B, S]
+    causal = torch.tril(torch.ones(S, S, dtype=torch.bool, device=device))
+    mask = (causal[None] & real[:, None, :] & real[:, :, None]) | torch.eye(S, dtype=torch.bool, device=device)
+    return tokens, idx[None, :].expand(B, S), mask, lens
+
+
 @torch.no_grad()
 def prefill(model, prompts, cache, ops):
     """Run every prompt through the model as a causal chain with an empty cache and store all its K/V.
 
-    prompts: list of B token lists (lengths may differ; shorter ones are padded with nodes that see only
-    themselves and are never stored). Returns the final-norm hidden state at each prompt's last token [B, D].
+    prompts: list of B token lists (lengths may differ). Returns the final-norm hidden state at each prompt's last
+    token [B, D].
     """
-    B, S = len(prompts), max(len(p) for p in prompts)
     dev = model.device
-    lens = torch.tensor([len(p) for p in prompts], device=dev)
-    tokens = torch.zeros(B, S, dtype=torch.int64, device=dev)
-    for b, p in enumerate(prompts):
-        tokens[b, : len(p)] = torch.tensor(p, device=dev)
+    tokens, positions, mask, lens = causal_chains(prompts, dev)
+    B, S = tokens.shape
     idx = torch.arange(S, device=dev)
-    real = idx[None, :] < lens[:, None]                                       # [B, S]
-    causal = torch.tril(torch.ones(S, S, dtype=torch.bool, device=dev))
-    mask = (causal[None] & real[:, None, :] & real[:, :, None]) | torch.eye(S, dtype=torch.bool, device=dev)
-    positions = idx[None, :].expand(B, S)
     rows = torch.arange(B, device=dev)
     hidden, k_tree, v_tree = model.forward_tree(tokens, positions, mask, cache, rows, ops, exact=False)
-    nodes = torch.where(real, idx[None, :], -1)
+    nodes = torch.where(idx[None, :] < lens[:, None], idx[None, :], -1)
     ops.kv_append(cache.k, cache.v, cache.block_table, cache.cache_lens, k_tree, v_tree, nodes, lens - 1)
     cache.cache_lens += lens.to(torch.int32)
     return hidden[rows, lens - 1]

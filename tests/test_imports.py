@@ -39,40 +39,41 @@ def test_package_and_reference_import_no_triton(module):
     assert _probe(module)["triton"] is False
 
 
+def _cpu_only(code):
+    """Run `code` in a fresh interpreter without CUDA and without TRITON_INTERPRET; its stdout + stderr."""
+    import os
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES")}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    return out.stdout + out.stderr
+
+
 def test_kernel_on_cpu_without_interpreter_says_what_to_do():
-    code = r"""
+    out = _cpu_only(r"""
 import torch
 from mtp_triton.kernels.accept import tree_accept
 try:
     tree_accept(torch.zeros(1, 2, dtype=torch.int64), torch.tensor([-1, 0]), torch.zeros(1, 2, dtype=torch.int64))
 except RuntimeError as e:
     print("RAISED", e)
-"""
-    import os
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES")}
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert "RAISED" in out.stdout and "use_interpreter" in out.stdout, out.stdout + out.stderr
+""")
+    assert "RAISED" in out and "use_interpreter" in out, out
 
 
 def test_use_interpreter_refuses_after_a_compiled_import():
-    code = r"""
+    out = _cpu_only(r"""
 import mtp_triton as mt
 import mtp_triton.kernels.kv_append
 try:
     mt.use_interpreter()
 except RuntimeError as e:
     print("RAISED", e)
-"""
-    import os
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES")}
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert "RAISED" in out.stdout and "restart" in out.stdout, out.stdout + out.stderr
+""")
+    assert "RAISED" in out and "restart" in out, out
 
 
 def test_triton_ops_on_cpu_need_the_interpreter():
-    code = r"""
+    out = _cpu_only(r"""
 import mtp_triton as mt
 try:
     mt.ops.get_ops("triton", "cpu")
@@ -80,9 +81,5 @@ except RuntimeError as e:
     print("RAISED", e)
 mt.use_interpreter()
 print("KIND", mt.ops.get_ops("triton", "cpu").kind)
-"""
-    import os
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES")}
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert "RAISED" in out.stdout and "KIND triton" in out.stdout, out.stdout + out.stderr
+""")
+    assert "RAISED" in out and "KIND triton" in out, out

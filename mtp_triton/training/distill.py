@@ -26,6 +26,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from ..generate import causal_chains
 from ..heads import MTPHeads
 from ..tree import Tree
 from .answers import read_prompts, write_answers
@@ -69,20 +70,12 @@ def answer_hidden(model, rows, batch=16):
     res = [None] * len(rows)
     for i in range(0, len(order), batch):
         part = [rows[j] for j in order[i:i + batch]]
-        seqs = [r["prompt_ids"] + r["answer_ids"] for r in part]
-        B, S = len(seqs), max(len(s) for s in seqs)
         dev = model.device
-        lens = torch.tensor([len(s) for s in seqs], device=dev)
-        tokens = torch.zeros(B, S, dtype=torch.int64, device=dev)
-        for b, s in enumerate(seqs):
-            tokens[b, :len(s)] = torch.tensor(s, device=dev)
-        idx = torch.arange(S, device=dev)
-        real = idx[None, :] < lens[:, None]
-        mask = (torch.tril(torch.ones(S, S, dtype=torch.bool, device=dev))[None] & real[:, None, :]
-                & real[:, :, None]) | torch.eye(S, dtype=torch.bool, device=dev)
+        tokens, positions, mask, _ = causal_chains([r["prompt_ids"] + r["answer_ids"] for r in part], dev)
+        B, S = tokens.shape
         cache = model.new_cache([S] * B)
-        h, _, _ = model.forward_tree(tokens, idx[None, :].expand(B, S), mask, cache, torch.arange(B, device=dev),
-                                     ops, check_values=False, exact=False)
+        h, _, _ = model.forward_tree(tokens, positions, mask, cache, torch.arange(B, device=dev), ops,
+                                     check_values=False, exact=False)
         for b, (j, r) in enumerate(zip(order[i:i + batch], part)):
             P, n = len(r["prompt_ids"]), len(r["answer_ids"])
             res[j] = (h[b, P - 1:P - 1 + n].cpu(), torch.tensor(r["answer_ids"]))
