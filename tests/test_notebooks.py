@@ -36,3 +36,18 @@ def _cuda():
 
 def test_there_are_notebooks():
     assert len(NOTEBOOKS) >= 1
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_committed_outputs_come_from_this_package(path):
+    """The stamp the first code cell printed (package hash) is this package's: re-run the lessons after changing
+    mtp_triton/ (python scripts/run_notebooks.py)."""
+    import nbformat
+    from mtp_triton.version import stamp
+
+    nb = nbformat.read(path, as_version=4)
+    printed = [o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+               if o.get("output_type") == "stream"]
+    stamps = [line for text in printed for line in text.splitlines() if "package hash" in line]
+    assert stamps, f"{path.name} has no stored outputs with the package stamp: run python scripts/run_notebooks.py"
+    assert stamps[0].strip() == stamp(), f"{path.name} was executed with other package code ({stamps[0].strip()})"
