@@ -1,4 +1,5 @@
-"""Drafters: what proposes the candidate tokens of a step. `propose(hidden, top_k, context) -> ids [A, H, K]`.
+"""Drafters: what proposes the candidate tokens of a step.
+`propose(hidden, top_k, context, num_heads=None) -> ids [A, num_heads, K]` (the first num_heads heads; all if None).
 
 `HeadsDrafter` runs MTP heads through `fused_draft` (all heads and their top-k in one call). `OracleDrafter` is a
 clearly labelled SYNTHETIC drafter for measuring the runtime apart from head quality: it knows each sequence's true
@@ -27,10 +28,13 @@ class HeadsDrafter:
         # rows [V', D] with token_map [V'] mapping row -> token id (all prepared once, here)
         self.lm_head, self.token_map = heads.draft_weights(model.lm_head.weight)
 
-    def propose(self, hidden, top_k, context=None):
-        ids, _ = self.fused_draft(hidden.contiguous(), self.res_weight, self.res_bias, self.lm_head, top_k,
+    def propose(self, hidden, top_k, context=None, num_heads=None):
+        """Candidates of the first `num_heads` heads (all by default): ids [A, num_heads, top_k]."""
+        H = num_heads or self.num_heads
+        lm = self.lm_head[:H] if self.lm_head.dim() == 3 else self.lm_head          # per-head LM heads: theirs
+        ids, _ = self.fused_draft(hidden.contiguous(), self.res_weight[:H], self.res_bias[:H], lm, top_k,
                                   token_map=self.token_map)
-        return ids                                                                  # [A, H, K]
+        return ids
 
 
 class OracleDrafter:
@@ -45,10 +49,10 @@ class OracleDrafter:
         self.vocab_size = vocab_size
         self.gen = torch.Generator().manual_seed(seed)
 
-    def propose(self, hidden, top_k, context):
+    def propose(self, hidden, top_k, context, num_heads=None):
         """context = (batch indices of the rows, tokens each has emitted so far; the last is the root)."""
         seq_ids, emitted = context
-        A, H, V = len(seq_ids), self.num_heads, self.vocab_size
+        A, H, V = len(seq_ids), num_heads or self.num_heads, self.vocab_size
         ids = torch.randint(0, V, (A, H, top_k), generator=self.gen)
         for a, (b, out) in enumerate(zip(seq_ids, emitted)):
             for h in range(H):

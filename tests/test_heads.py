@@ -339,7 +339,9 @@ def test_generate_drafts_with_the_heads_own_lm_heads(medusa_case, monkeypatch):
 
     monkeypatch.setattr(mt.reference, "fused_draft", spy)
     assert mt.generate(model, prompts, 24, heads=heads, tree="chain-2", kernels="torch").tokens == ref
-    assert seen and all(lm is want_lm and tm is want_tm for lm, tm in seen)
+    # the heads' own LM heads (their first 2, all a chain-2 tree reaches: same storage) and their token_map
+    assert seen and all(lm.data_ptr() == want_lm.data_ptr() and tuple(lm.shape) == (2, *want_lm.shape[1:])
+                        and tm is want_tm for lm, tm in seen)
 
 
 def test_generate_uses_the_tree_stored_with_the_heads(medusa_case):

@@ -54,9 +54,14 @@ def main():
     L.append(f"- **Training**: frozen base, soft targets (the base's own top-{cfg['top_k']} distribution over the draft "
              f"vocabulary at t + h + 1), AdamW lr {cfg['lr']}, batch {cfg['batch']} positions, {info['steps']} steps, "
              f"{info['threads']} CPU threads, bf16 matmuls.")
-    L.append(f"- **Time** (wall clock, shared machine): answers {sec['answers'] / 60:.1f} min, cache "
-             f"{sec['cache'] / 60:.1f} min, training {sec['train'] / 60:.1f} min, measurement "
-             f"{sec['measure'] / 60:.1f} min; total {sec['total'] / 60:.1f} min.\n")
+    L.append(f"- **Time** (wall clock on the 2-core machine, shared with 3-4 other jobs most of the time; summed over "
+             f"{info.get('invocations', 1)} invocations of the command, a resumed one adding only what it redid): "
+             f"answers {sec['answers'] / 60:.1f} min, cache {sec['cache'] / 60:.1f} min, training "
+             f"{sec['train'] / 60:.1f} min, measurement {sec['measure'] / 60:.1f} min. Most answers were written "
+             "before the command ran, by the same function (`mtp_triton/training/answers.py`) in two earlier "
+             "sessions, the first with this engine and the second with transformers (the counts are above); "
+             "together they took about an hour of wall clock on the shared machine, which these times do not "
+             "include.\n")
     L.append("## Held-out accuracy (teacher-forced on this engine's own greedy answers)\n")
     L.append("acc[h][r] = P(rank r of head h is the base's greedy token), over every answer position.\n")
     L.append("| held-out set | category | answers | positions | top-1 per head (%) | top-5 per head (%) |")

@@ -280,11 +280,19 @@ def run(args):
             e["tau"]["chosen"] = simulate_tau(head_ranks(heads, model, c), lengths_of(part), tree)
     t_measure = time.time() - t1
     heads.tree = [list(p) for p in tree.paths[1:]]
+    # seconds per phase, summed over the invocations that did the work (a resumed run adds only what it redid)
+    spent = dict(answers=t_answers, cache=t_cache, train=train_s, measure=t_measure)
+    timing_file = os.path.join(args.work, "timings.json")
+    past = json.load(open(timing_file)) if os.path.exists(timing_file) else {}
+    total = {k: past.get(k, 0.0) + (v if k != "train" else 0.0) for k, v in spent.items()}
+    total["train"] = train_s                                 # the Loop already sums training time over resumes
+    total["invocations"] = past.get("invocations", 0) + 1
+    write_json(timing_file, total)
     info = dict(model=args.model, prompts=args.prompts, answers=len(rows), answer_tokens=sum(lengths_of(rows)),
                 answers_by=dict(collections.Counter(r.get("by", "unrecorded") for r in rows)), draft_vocab=len(token_map), coverage_train=coverage(rows, token_map),
                 coverage_heldout={n: coverage(r, token_map) for n, r in held.items()}, steps=steps,
-                seconds=dict(answers=round(t_answers, 1), cache=round(t_cache, 1), train=round(train_s, 1),
-                             measure=round(t_measure, 1), total=round(time.time() - t0, 1)),
+                seconds={k: round(v, 1) for k, v in total.items() if k != "invocations"},
+                invocations=total["invocations"],
                 threads=torch.get_num_threads(), heldout=ev, tree_nodes=tree.size,
                 config={k: v for k, v in vars(args).items() if k != "func"})
     heads = heads.to(torch.bfloat16)            # 8 heads x 576^2: 5.3 MB in bf16 (the heads run in bf16 anyway)

@@ -37,15 +37,15 @@ def evaluate_heads(model, heads, rows, trees, K=8):
     return out
 
 
-def drafting_cost(model, heads, top_k, reps=7):
-    """Median seconds of one drafting call (all heads, the draft vocabulary) at batch 1, torch path."""
+def drafting_cost(model, heads, top_k, reps=7, num_heads=None):
+    """Median seconds of one drafting call (the first num_heads heads, the draft vocabulary) at batch 1, torch path."""
     d = HeadsDrafter(heads, model, get_ops("torch", model.device))
     h = torch.randn(1, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(model.dtype)
-    d.propose(h, top_k)
+    d.propose(h, top_k, num_heads=num_heads)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        d.propose(h, top_k)
+        d.propose(h, top_k, num_heads=num_heads)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -62,7 +62,7 @@ def choose_tree(model, heads, rows, budgets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32), 
     costs = step_cost(model, trees, batch=1, context=context, kernels="torch", reps=reps)
     table = []
     for b, tree, c in zip(budgets, trees[1:], costs[1:]):
-        draft = drafting_cost(model, heads, tree.top_k, reps)
+        draft = drafting_cost(model, heads, tree.top_k, reps, num_heads=tree.max_depth)
         tau = distill.simulate_tau(ranks, lengths, tree)
         ratio = (c + draft) / costs[0]
         table.append(dict(budget=b, nodes=tree.size, depth=tree.max_depth, tau_simulated=tau,
