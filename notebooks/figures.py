@@ -272,7 +272,8 @@ def mtp_step_figure(labels, parents, depth, accepted, bonus, title=""):
     labels [T]: each node's token as text (node 0 = the root, the newest committed token); parents [T] (-1 for the
     root); depth [T]; accepted: the accepted nodes in path order, root first; bonus: the bonus token's text (the
     target's choice after the deepest accepted node). Column d holds the depth-d nodes (drafted by head d - 1) in
-    node order; the accepted path is green, the bonus blue.
+    node order; the accepted path is green, the bonus blue (one column right of the deepest accepted node, in a row
+    above the tree).
     """
     import matplotlib.pyplot as plt
 
@@ -283,7 +284,7 @@ def mtp_step_figure(labels, parents, depth, accepted, bonus, title=""):
         row[i] = count.get(d, 0)
         count[d] = row[i] + 1
     D = max(count)
-    fig, ax = plt.subplots(figsize=(1.5 * (D + 2), 0.5 + 0.36 * max(count.values())))
+    fig, ax = plt.subplots(figsize=(1.5 * (D + 2), 0.9 + 0.36 * max(count.values())))
     on_path = set(accepted)
     for i in range(1, T):
         p = int(parents[i])
@@ -295,15 +296,16 @@ def mtp_step_figure(labels, parents, depth, accepted, bonus, title=""):
         ax.text(depth[i], -row[i], labels[i], ha="center", va="center", fontsize=7, zorder=3,
                 color="white" if i in on_path else "k",
                 bbox=dict(boxstyle="round,pad=0.25", fc=face, ec="0.4", lw=0.6))
-    last = accepted[-1]
-    ax.annotate("", xy=(depth[last] + 0.55, -row[last]), xytext=(depth[last] + 0.2, -row[last]),
+    last = accepted[-1]                                   # the bonus goes one level deeper, in a row of its own
+    bx, by = depth[last] + 1, 1.0
+    ax.annotate("", xy=(bx - 0.3, by - 0.15), xytext=(depth[last] + 0.25, -row[last] + 0.15),
                 arrowprops=dict(arrowstyle="->", color="tab:blue"))
-    ax.text(depth[last] + 0.6, -row[last], "bonus " + bonus, ha="left", va="center", fontsize=7, color="white",
-            zorder=3, bbox=dict(boxstyle="round,pad=0.25", fc="tab:blue", ec="tab:blue"))
+    ax.text(bx, by, "bonus " + bonus, ha="center", va="center", fontsize=7, color="white", zorder=3,
+            bbox=dict(boxstyle="round,pad=0.25", fc="tab:blue", ec="tab:blue"))
     ax.set_xticks(range(D + 1), ["root"] + [f"depth {d}\nhead {d - 1}" for d in range(1, D + 1)], fontsize=7)
     ax.set_yticks([])
     ax.set_xlim(-0.6, D + 1.6)
-    ax.set_ylim(-max(count.values()) + 0.4, 0.6)
+    ax.set_ylim(-max(count.values()) + 0.4, 1.5)
     for side in ("left", "right", "top"):
         ax.spines[side].set_visible(False)
     ax.set_title(title, fontsize=9)
