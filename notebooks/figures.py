@@ -388,3 +388,118 @@ def step_floor_figure(stacks, title=""):
     ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=len(parts))
     fig.tight_layout()
     return fig
+
+
+# ------------------------------------------------------------------------------------------------------------
+# 05-full-decoder: one MTP step as its tree, tau by category, the runtime policy's depths, per-head accuracy
+
+
+def mtp_step_figure(labels, parents, depth, accepted, bonus, title=""):
+    """One MTP step drawn from its tensors: the candidate tree, the accepted path and the bonus token.
+
+    labels [T]: each node's token as text (node 0 = the root, the newest committed token); parents [T] (-1 for the
+    root); depth [T]; accepted: the accepted nodes in path order, root first; bonus: the bonus token's text (the
+    target's choice after the deepest accepted node). Column d holds the depth-d nodes (drafted by head d - 1) in
+    node order; the accepted path is green, the bonus blue (one column right of the deepest accepted node, in a row
+    above the tree).
+    """
+    import matplotlib.pyplot as plt
+
+    T = len(labels)
+    row, count = [0] * T, {}
+    for i in range(T):
+        d = int(depth[i])
+        row[i] = count.get(d, 0)
+        count[d] = row[i] + 1
+    D = max(count)
+    fig, ax = plt.subplots(figsize=(1.5 * (D + 2), 0.9 + 0.36 * max(count.values())))
+    on_path = set(accepted)
+    for i in range(1, T):
+        p = int(parents[i])
+        both = i in on_path and p in on_path
+        ax.plot([depth[p], depth[i]], [-row[p], -row[i]], color="tab:green" if both else "0.8",
+                lw=2 if both else 0.8, zorder=1)
+    for i in range(T):
+        face = "tab:green" if i in on_path else "white"
+        ax.text(depth[i], -row[i], labels[i], ha="center", va="center", fontsize=7, zorder=3,
+                color="white" if i in on_path else "k",
+                bbox=dict(boxstyle="round,pad=0.25", fc=face, ec="0.4", lw=0.6))
+    last = accepted[-1]                                   # the bonus goes one level deeper, in a row of its own
+    bx, by = depth[last] + 1, 1.0
+    ax.annotate("", xy=(bx - 0.3, by - 0.15), xytext=(depth[last] + 0.25, -row[last] + 0.15),
+                arrowprops=dict(arrowstyle="->", color="tab:blue"))
+    ax.text(bx, by, "bonus " + bonus, ha="center", va="center", fontsize=7, color="white", zorder=3,
+            bbox=dict(boxstyle="round,pad=0.25", fc="tab:blue", ec="tab:blue"))
+    ax.set_xticks(range(D + 1), ["root"] + [f"depth {d}\nhead {d - 1}" for d in range(1, D + 1)], fontsize=7)
+    ax.set_yticks([])
+    ax.set_xlim(-0.6, D + 1.6)
+    ax.set_ylim(-max(count.values()) + 0.4, 1.5)
+    for side in ("left", "right", "top"):
+        ax.spines[side].set_visible(False)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def tau_by_category_figure(cats, tau, accept, simulated=None, title=""):
+    """Left: tau (tokens per verify step) per category, measured, with the simulated value as a marker if given.
+    Right: acceptance rate per depth, one line per category. cats [C]; tau [C]; accept [C][depths]; simulated [C]."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.2))
+    x = range(len(cats))
+    axes[0].bar(x, tau, color="tab:blue", label="measured here")
+    if simulated is not None:
+        axes[0].scatter(x, simulated, color="k", marker="_", s=400, zorder=3, label="simulated (training record)")
+    axes[0].set_xticks(list(x), cats, rotation=25, fontsize=8)
+    axes[0].set_ylabel("tau (tokens / step)")
+    axes[0].legend(fontsize=7)
+    for c, a in zip(cats, accept):
+        axes[1].plot(range(1, len(a) + 1), a, marker="o", ms=3, label=c)
+    axes[1].set_xticks(range(1, max(len(a) for a in accept) + 1))
+    axes[1].set_xlabel("depth")
+    axes[1].set_ylabel("acceptance rate")
+    axes[1].set_ylim(0, 1)
+    axes[1].legend(fontsize=7, ncol=2)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def depth_trace_figure(traces, title=""):
+    """traces {config name: {sequence label: [depth at each step]}}: one panel per runtime configuration. The k-th
+    sequence's line is drawn 0.07 * k higher, so that equal depths stay visible as two lines."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(traces), figsize=(2.6 * len(traces), 2.4), sharey=True, squeeze=False)
+    for ax, (name, seqs) in zip(axes[0], traces.items()):
+        for k, (label, ds) in enumerate(seqs.items()):
+            ax.step(range(len(ds)), [d + 0.07 * k for d in ds], where="post", label=label, lw=1.2)
+        ax.set_title(name, fontsize=8)
+        ax.set_xlabel("step", fontsize=8)
+        ax.tick_params(labelsize=7)
+    axes[0][0].set_ylabel("draft depth (0 = serial)", fontsize=8)
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def per_head_figure(panels, ylabel="accuracy", title=""):
+    """panels {panel title: {series label: [value per head]}}: grouped bars, one group per head."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 2.8), sharey=True, squeeze=False)
+    for ax, (name, series) in zip(axes[0], panels.items()):
+        n = len(series)
+        for k, (label, vals) in enumerate(series.items()):
+            ax.bar([h + (k - (n - 1) / 2) * 0.8 / n for h in range(len(vals))], vals, 0.8 / n, label=label)
+        H = max(len(v) for v in series.values())
+        ax.set_xticks(range(H), [f"head {h}\n(t+{h + 2})" for h in range(H)], fontsize=7)
+        ax.set_title(name, fontsize=8)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel(ylabel, fontsize=8)
+    axes[0][0].set_ylim(0, 1)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return fig
