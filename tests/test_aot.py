@@ -25,7 +25,7 @@ def _jit_kernels():
     """Every `@triton.jit def _x_kernel` in the kernel files (helpers that are not launched are not *_kernel)."""
     names = set()
     for f in (ROOT / "mtp_triton" / "kernels").glob("*.py"):
-        names |= set(re.findall(r"@triton\.jit[^\n]*\ndef (\w+_kernel)\(", f.read_text()))
+        names |= set(re.findall(r"@triton\.jit(?:\([^)]*\))?[^\n]*\ndef (\w+_kernel)\(", f.read_text()))
     return names
 
 

@@ -364,11 +364,12 @@ def _p2(n, lo, hi):
     return max(lo, min(hi, triton.next_power_of_2(max(int(n), 1))))
 
 
-def draft_config(B, H, D, V, top_k, device, per_head=False):
+def draft_config(B, H, D, V, top_k, device, per_head=False, capability=None):
     """Tile sizes and launch settings: big tiles under the interpreter (fewer programs = faster); on a GPU, enough
     vocab programs that every SM streams a slice of the LM head, BLOCK_V >= 128, and rows padded to >= 16 (tl.dot).
 
-    `RG` rows share an LM head: B*H with a shared head, B with one head per head.
+    `RG` rows share an LM head: B*H with a shared head, B with one head per head. capability: the GPU's
+    (major, minor) compute capability; None asks the device (give it to plan for a GPU this machine lacks).
     """
     RG = B if per_head else B * H
     if device.type != "cuda":
@@ -385,7 +386,7 @@ def draft_config(B, H, D, V, top_k, device, per_head=False):
     #  * BLOCK_D: 64; on sm_120 at 64+ rows 32: with 64 ptxas stopped at 128 registers and spilled 32 B (stores +
     #    loads); with 32, 114 registers, half the shared memory per stage (sm_120 has 100 KB per SM), the same
     #    3-stage pipeline, and two blocks per SM (by registers) instead of one (by shared memory).
-    major = torch.cuda.get_device_capability(device)[0]
+    major = (capability or torch.cuda.get_device_capability(device))[0]
     return dict(BLOCK_B=_p2(B, 16, 64), BLOCK_N=64, BLOCK_K=64,
                 BLOCK_R=block_r, BLOCK_V=128, BLOCK_D=32 if major == 12 and block_r >= 64 else 64,
                 MERGE_R=1, CHUNK=2048, CHUNK_T=1024,
