@@ -132,6 +132,19 @@ def summarise(pairs):
                 accept_rate_per_depth=acc, identical=sum(p[0].tokens == p[1].tokens for p in pairs))
 
 
+def summarise_rows(rows):
+    """The same summary as `summarise`, from demo.csv rows (strings, one per prompt and mode) -> dict(prompts,
+    serial_tok_s, mtp_tok_s, speedup, tau, identical). Decode tok/s = decode tokens (new tokens minus the prefill's)
+    summed over the prompts / decode seconds summed; tau = the MTP rows' decode tokens / their steps."""
+    def tokens(rs):
+        return sum(int(r["new_tokens"]) - 1 for r in rs)
+    ser, mtp = ([r for r in rows if r["mode"] == m] for m in ("serial", "mtp"))
+    rate = {m: tokens(rs) / sum(float(r["decode_s"]) for r in rs) for m, rs in (("serial", ser), ("mtp", mtp))}
+    return dict(prompts=len(mtp), serial_tok_s=rate["serial"], mtp_tok_s=rate["mtp"],
+                speedup=rate["mtp"] / rate["serial"], tau=tokens(mtp) / max(sum(int(r["steps"]) for r in mtp), 1),
+                identical=sum(r["identical"] == "True" for r in mtp))
+
+
 def demo(argv=None):
     ap = argparse.ArgumentParser(prog="python -m mtp_triton demo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -14,6 +14,8 @@ import os
 import sys
 from collections import defaultdict
 
+from mtp_triton.demo import summarise_rows
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEGIN, END = "<!-- results:begin (scripts/render_readme_results.py) -->", "<!-- results:end -->"
 
@@ -43,26 +45,19 @@ def demo_block(path):
            "|---|---|---|---|---|---|---|"]
     cats = list(dict.fromkeys(r["category"] for r in rows))
     for c in cats + ["all"]:
-        sel = [r for r in rows if c in ("all", r["category"])]
-        rate = {}
-        for mode in ("serial", "mtp"):
-            rr = [r for r in sel if r["mode"] == mode]
-            rate[mode] = sum(int(r["new_tokens"]) - 1 for r in rr) / sum(float(r["decode_s"]) for r in rr)
-        mt = [r for r in sel if r["mode"] == "mtp"]
-        tau = sum(int(r["new_tokens"]) - 1 for r in mt) / max(sum(int(r["steps"]) for r in mt), 1)
-        same = sum(r["identical"] == "True" for r in mt)
+        s = summarise_rows([r for r in rows if c in ("all", r["category"])])
         name = f"**{c}**" if c == "all" else c
-        out.append(f"| {name} | {len(mt)} | {rate['serial']:.1f} | {rate['mtp']:.1f} | {rate['mtp'] / rate['serial']:.2f}× "
-                   f"| {tau:.2f} | {same}/{len(mt)} |")
+        out.append(f"| {name} | {s['prompts']} | {s['serial_tok_s']:.1f} | {s['mtp_tok_s']:.1f} | {s['speedup']:.2f}× "
+                   f"| {s['tau']:.2f} | {s['identical']}/{s['prompts']} |")
     if m.get("predicted_speedup"):
         out.append(f"\nSpeedup predicted when the tree was chosen (from measured step costs and held-out τ): "
                    f"{float(m['predicted_speedup']):.2f}×.")
     if m["model"] == "smollm2-135m-instruct":          # the targets this project set itself for the real model
-        speed = rate["mtp"] / rate["serial"]
+        met = s["speedup"] >= 1.3 and s["identical"] == s["prompts"]            # s: the "all" row
         out.append(f"\nTargets for this model (held-out chat prompts, batch 1, this CPU): τ ≥ 2.2 — measured "
-                   f"{tau:.2f}, {'met' if tau >= 2.2 else 'not met'}; speedup ≥ 1.3× with identical output — measured "
-                   f"{speed:.2f}× and {same}/{len(mt)} identical, "
-                   f"{'met' if speed >= 1.3 and same == len(mt) else 'not met'}.")
+                   f"{s['tau']:.2f}, {'met' if s['tau'] >= 2.2 else 'not met'}; speedup ≥ 1.3× with identical output "
+                   f"— measured {s['speedup']:.2f}× and {s['identical']}/{s['prompts']} identical, "
+                   f"{'met' if met else 'not met'}.")
     return out + [""]
 
 

@@ -128,18 +128,33 @@ def test_ties_go_to_the_lower_id():
     assert ids[0, 0, 0].item() == min(0, best)                           # id 0 copies the best row
 
 
-def test_nan_padding_and_no_logits_buffer(monkeypatch):
-    """Inputs are views into NaN-filled buffers (an out-of-bounds load gives NaN); every buffer the launcher
-    allocates starts NaN / sentinel-filled (an element it forgets to write shows up); and no buffer is as large as
-    the [B, H, V] logits."""
-    B, H, D, V, top_k = 3, 5, 40, 1007, 10
-    clean = make_inputs(B, H, D, V, seed=4)
+PAD = 64                                        # poisoned elements on each side of an input
+
+
+def in_poison(clean):
+    """Each tensor copied into the middle of a poisoned buffer: [(buffer, view)] (an out-of-bounds load reads
+    NaN, or the int sentinel)."""
     padded = []
     for t in clean:
-        buf = poison((t.numel() + 2 * 64,), t.dtype)
-        view = buf[64: 64 + t.numel()].view(t.shape)
+        buf = poison((t.numel() + 2 * PAD,), t.dtype)
+        view = buf[PAD: PAD + t.numel()].view(t.shape)
         view.copy_(t)
         padded.append((buf, view))
+    return padded
+
+
+def padding_untouched(padded):
+    """True if no launch wrote into the poison around any input."""
+    for buf, view in padded:
+        pad = torch.cat([buf[:PAD], buf[PAD + view.numel():]])
+        untouched = torch.isnan(pad) if pad.is_floating_point() else pad == -(2 ** 31) + 7
+        if not untouched.all():
+            return False
+    return True
+
+
+def poison_launcher_buffers(monkeypatch):
+    """Every buffer the launcher allocates starts poisoned; returns the list their sizes are recorded in."""
     sizes = []
 
     def poisoned_empty(shape, dtype, device):
@@ -147,11 +162,21 @@ def test_nan_padding_and_no_logits_buffer(monkeypatch):
         return poison(shape, dtype, device)
 
     monkeypatch.setattr(drafting, "_empty", poisoned_empty)
+    return sizes
+
+
+def test_nan_padding_and_no_logits_buffer(monkeypatch):
+    """Inputs are views into NaN-filled buffers (an out-of-bounds load gives NaN); every buffer the launcher
+    allocates starts NaN / sentinel-filled (an element it forgets to write shows up); and no buffer is as large as
+    the [B, H, V] logits."""
+    B, H, D, V, top_k = 3, 5, 40, 1007, 10
+    clean = make_inputs(B, H, D, V, seed=4)
+    padded = in_poison(clean)
+    sizes = poison_launcher_buffers(monkeypatch)
     ids, logp = _fused_draft(*[v for _, v in padded], top_k, **SMALL_TILES)
     assert_same_draft(ids, logp, clean, top_k, atol=1e-4, what="poisoned")
     assert ((ids >= 0) & (ids < V)).all(), "ids out of range (an unwritten sentinel?)"
-    for buf, view in padded:
-        assert torch.isnan(buf[:64]).all() and torch.isnan(buf[64 + view.numel():]).all(), "padding was written"
+    assert padding_untouched(padded), "padding was written"
     assert max(sizes) < B * H * V, f"a buffer of {max(sizes)} elements: the logits ({B * H * V}) were materialised?"
 
 
@@ -373,27 +398,13 @@ def test_nan_padding_per_head_and_token_map(monkeypatch):
     B, H, D, V_draft, top_k = 3, 4, 40, 203, 10
     hidden, res_weight, res_bias, _ = make_inputs(B, H, D, V_draft, seed=19)
     clean = [hidden, res_weight, res_bias, per_head_lm(H, V_draft, D, seed=20), draft_vocab(3000, V_draft, seed=21)]
-    padded = []
-    for t in clean:
-        buf = poison((t.numel() + 2 * 64,), t.dtype)
-        view = buf[64: 64 + t.numel()].view(t.shape)
-        view.copy_(t)
-        padded.append((buf, view))
-    sizes = []
-
-    def poisoned_empty(shape, dtype, device):
-        sizes.append(torch.Size(shape).numel())
-        return poison(shape, dtype, device)
-
-    monkeypatch.setattr(drafting, "_empty", poisoned_empty)
+    padded = in_poison(clean)
+    sizes = poison_launcher_buffers(monkeypatch)
     views = [v for _, v in padded]
     ids, logp = _fused_draft(*views[:4], top_k, token_map=views[4], **SMALL_TILES)
     assert_same_draft(ids, logp, clean[:4], top_k, atol=1e-4, what="poisoned per-head + map", token_map=clean[4])
     assert torch.isin(ids, clean[4]).all(), "ids outside the draft vocabulary (an unwritten sentinel?)"
-    for buf, view in padded:
-        pad = torch.cat([buf[:64], buf[64 + view.numel():]])
-        untouched = torch.isnan(pad) if pad.is_floating_point() else pad == -(2 ** 31) + 7
-        assert untouched.all(), "padding was written"
+    assert padding_untouched(padded), "padding was written"
     assert max(sizes) < B * H * V_draft, f"a buffer of {max(sizes)} elements: the logits were materialised?"
 
 

@@ -284,7 +284,7 @@ def run(args):
     spent = dict(answers=t_answers, cache=t_cache, train=train_s, measure=t_measure)
     timing_file = os.path.join(args.work, "timings.json")
     past = json.load(open(timing_file)) if os.path.exists(timing_file) else {}
-    total = {k: past.get(k, 0.0) + (v if k != "train" else 0.0) for k, v in spent.items()}
+    total = {k: past.get(k, 0.0) + v for k, v in spent.items() if k != "train"}
     total["train"] = train_s                                 # the Loop already sums training time over resumes
     total["invocations"] = past.get("invocations", 0) + 1
     write_json(timing_file, total)
