@@ -1,5 +1,6 @@
 """Drafters: what proposes the candidate tokens of a step.
-`propose(hidden, top_k, context, num_heads=None) -> ids [A, num_heads, K]` (the first num_heads heads; all if None).
+`propose(hidden, top_k, context, num_heads=None, roots=None) -> ids [A, num_heads, K]` (the first num_heads heads; all
+if None; roots [A]: the step's root tokens, read by heads with root input).
 
 `HeadsDrafter` runs MTP heads through `fused_draft` (all heads and their top-k in one call). `OracleDrafter` is a
 clearly labelled SYNTHETIC drafter for measuring the runtime apart from head quality: it knows each sequence's true
@@ -27,11 +28,18 @@ class HeadsDrafter:
         # the rows drafting scores: the model's LM head [V, D], the heads' own [H, V, D], or a draft vocabulary's
         # rows [V', D] with token_map [V'] mapping row -> token id (all prepared once, here)
         self.lm_head, self.token_map = heads.draft_weights(model.lm_head.weight)
+        # heads with root input read x' = x + P e_root (heads.py); the kernel is handed x'
+        self.root_proj = None if heads.root_proj is None else heads.root_proj.detach().to(dev, dt).contiguous()
+        self.embed = model.embed_tokens.weight
 
-    def propose(self, hidden, top_k, context=None, num_heads=None):
+    def propose(self, hidden, top_k, context=None, num_heads=None, roots=None):
         """Candidates of the first `num_heads` heads (all by default): ids [A, num_heads, top_k]."""
         H = num_heads or self.num_heads
         lm = self.lm_head[:H] if self.lm_head.dim() == 3 else self.lm_head          # per-head LM heads: theirs
+        if self.root_proj is not None:
+            if roots is None:
+                raise ValueError("HeadsDrafter: these heads read the root token; pass roots [A]")
+            hidden = hidden + self.embed[roots] @ self.root_proj.T                  # x' = x + P e_root   [A, D]
         ids, _ = self.fused_draft(hidden.contiguous(), self.res_weight[:H], self.res_bias[:H], lm, top_k,
                                   token_map=self.token_map)
         return ids
@@ -49,7 +57,7 @@ class OracleDrafter:
         self.vocab_size = vocab_size
         self.gen = torch.Generator().manual_seed(seed)
 
-    def propose(self, hidden, top_k, context, num_heads=None):
+    def propose(self, hidden, top_k, context, num_heads=None, roots=None):
         """context = (batch indices of the rows, tokens each has emitted so far; the last is the root)."""
         seq_ids, emitted = context
         A, H, V = len(seq_ids), num_heads or self.num_heads, self.vocab_size

@@ -79,7 +79,7 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
     sampling (top_p nucleus), reproducible from `seed`. eos_token_id: None, an int, a list of ints or an int tensor.
     kernels: "triton" | "torch" | "auto" (Triton on CUDA, the PyTorch twins elsewhere).
     runtime: a `RuntimeConfig` (cold start, dynamic depth, fallback). block_size: the paged cache's block size.
-    drafter: instead of heads, any object with `num_heads` and `propose(hidden, top_k, context, num_heads)`
+    drafter: instead of heads, any object with `num_heads` and `propose(hidden, top_k, context, num_heads, roots)`
     (e.g. the synthetic `drafters.OracleDrafter`). cuda_graph: replay the verify forward as a CUDA graph (one per
     tree size); finished sequences then keep running, frozen and never emitted, so shapes stay fixed.
     Returns GenerateResult(tokens, stats).

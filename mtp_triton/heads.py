@@ -8,6 +8,13 @@ lm_head_h is the model's LM head, shared by all heads (what our training script 
 as the LM head), so `init_heads` draws small random weights instead, for tests that need heads that disagree
 with the model.
 
+Optionally the heads also read the root, the token the model itself just chose at t + 1 (known when drafting: it
+is the step's bonus token), through its input embedding e_r = E[root] and one projection P [D, D] shared by the heads:
+    x' = x + P e_r,   z_h = x' + silu(W_h x' + b_h)                            (P = 0: the Medusa heads above)
+A Medusa head has to guess token t + 1 before it can guess t + 2; reading it removes that guess, as EAGLE's draft
+head does by reading the shifted token (Li et al. 2024, https://arxiv.org/abs/2401.15077). The drafting kernel is
+unchanged: it is handed x' instead of x.
+
 Two optional extras travel with the heads:
   * a draft vocabulary token_map [V'] (strictly increasing token ids): drafting scores only those V' rows of
     the LM head and maps row r back to token token_map[r] (FR-Spec, Zhao et al. 2025,
@@ -58,10 +65,11 @@ class MTPHeads(nn.Module):
 
     vocab_size: give the heads their own LM heads lm_head [H, V, D] (zero until loaded); None shares the model's.
     token_map: draft vocabulary [V'] (see module docstring). tree: Medusa-style choices, e.g. [(0,), (1,), (0, 0)].
+    root_input: the heads also read the root token through root_proj [D, D] (zero until trained or loaded).
     """
 
     def __init__(self, num_heads, hidden_size, dtype=torch.float32, device=None, *, vocab_size=None,
-                 token_map=None, tree=None):
+                 token_map=None, tree=None, root_input=False):
         super().__init__()
         if num_heads < 1 or hidden_size < 1:
             raise ValueError(f"MTPHeads: need num_heads >= 1 and hidden_size >= 1, got {num_heads}, {hidden_size}")
@@ -71,6 +79,8 @@ class MTPHeads(nn.Module):
         self.res_bias = nn.Parameter(torch.zeros(num_heads, hidden_size, dtype=dtype, device=device))
         self.register_parameter("lm_head", None if vocab_size is None else nn.Parameter(
             torch.zeros(num_heads, vocab_size, hidden_size, dtype=dtype, device=device)))
+        self.register_parameter("root_proj", nn.Parameter(
+            torch.zeros(hidden_size, hidden_size, dtype=dtype, device=device)) if root_input else None)
         self.register_buffer("_token_map", None)
         self.token_map = token_map
         self.tree = tree
@@ -112,8 +122,23 @@ class MTPHeads(nn.Module):
             Tree.from_choices(choices, num_heads=self.num_heads)           # raises ValueError if malformed
         self._tree = choices
 
-    def forward(self, x):
-        """x [..., D] -> z [..., H, D] (the inputs of the LM head(s))."""
+    @property
+    def root_input(self):
+        """Do the heads read the root token (x' = x + P e_root)?"""
+        return self.root_proj is not None
+
+    def head_input(self, x, root_emb=None):
+        """x' = x + P e_root: what the residual blocks read (x itself for heads without root input).
+        x [..., D]; root_emb [..., D], the model's input embedding of the root token (required with root input)."""
+        if self.root_proj is None:
+            return x
+        if root_emb is None:
+            raise ValueError("these heads read the root token: pass root_emb, the embedding of the token at t + 1")
+        return x + root_emb.to(x.dtype) @ self.root_proj.to(x.dtype).T
+
+    def forward(self, x, root_emb=None):
+        """x [..., D] (root_emb [..., D] for heads with root input) -> z [..., H, D] (the inputs of the LM head(s))."""
+        x = self.head_input(x, root_emb)
         pre = torch.einsum("...d,hed->...he", x, self.res_weight) + self.res_bias
         return x.unsqueeze(-2) + nn.functional.silu(pre)
 
@@ -155,12 +180,14 @@ class MTPHeads(nn.Module):
             raise ValueError("MTPHeads.save: set heads.tree to store a tree, not a metadata key")
         os.makedirs(path, exist_ok=True)
         tensors = {"res_weight": self.res_weight, "res_bias": self.res_bias, "lm_head": self.lm_head,
-                   "token_map": self._token_map}
+                   "token_map": self._token_map, "root_proj": self.root_proj}
         save_file({k: t.detach().contiguous().cpu() for k, t in tensors.items() if t is not None},
                   os.path.join(path, HEADS_FILE))
         info = {"num_heads": self.num_heads, "hidden_size": self.hidden_size, "format": "mtp_triton.heads/1"}
         if self.lm_head is not None:
             info["vocab_size"] = self.vocab_size
+        if self.root_proj is not None:
+            info["root_input"] = True
         if self._token_map is not None:
             info["draft_vocab_size"] = int(self._token_map.numel())
         if self._tree is not None:
@@ -260,18 +287,24 @@ def load_heads(path, device=None, dtype=None):
         kind = "mtp" if "res_weight" in tensors else "medusa"
     if kind == "medusa":
         tensors = _medusa_tensors(tensors, file)
-    allowed = {"res_weight", "res_bias", "lm_head", "token_map"}
+    allowed = {"res_weight", "res_bias", "lm_head", "token_map", "root_proj"}
     if not {"res_weight", "res_bias"} <= set(tensors) <= allowed:
-        raise ValueError(f"load_heads: {file} must hold res_weight and res_bias (optionally lm_head, token_map), "
-                         f"found {sorted(tensors)}")
+        raise ValueError(f"load_heads: {file} must hold res_weight and res_bias (optionally lm_head, token_map, "
+                         f"root_proj), found {sorted(tensors)}")
     w, b, lm = tensors["res_weight"], tensors["res_bias"], tensors.get("lm_head")
     if w.dim() != 3 or w.shape[1] != w.shape[2] or tuple(b.shape) != (w.shape[0], w.shape[1]):
         raise ValueError(f"load_heads: {file}: bad shapes res_weight {tuple(w.shape)}, res_bias {tuple(b.shape)}")
     H, D = w.shape[:2]
     if lm is not None and (lm.dim() != 3 or lm.shape[0] != H or lm.shape[2] != D):
         raise ValueError(f"load_heads: {file}: bad shapes lm_head {tuple(lm.shape)}, expected [{H}, V, {D}]")
+    rp = tensors.get("root_proj")
+    if rp is not None and tuple(rp.shape) != (D, D):
+        raise ValueError(f"load_heads: {file}: bad shape root_proj {tuple(rp.shape)}, expected [{D}, {D}]")
     meta = _read_meta(os.path.dirname(file), H, D, file) if kind == "mtp" else {}
-    heads = MTPHeads(H, D, dtype=dtype or w.dtype, device=device, vocab_size=None if lm is None else lm.shape[1])
+    if meta.get("root_input") and rp is None:
+        raise ValueError(f"load_heads: {file}: heads.json says root_input but the file has no root_proj")
+    heads = MTPHeads(H, D, dtype=dtype or w.dtype, device=device, vocab_size=None if lm is None else lm.shape[1],
+                     root_input=rp is not None)
     heads.meta = dict(meta)
     try:
         heads.token_map = tensors.get("token_map")
@@ -283,6 +316,8 @@ def load_heads(path, device=None, dtype=None):
         heads.res_bias.copy_(b)
         if lm is not None:
             heads.lm_head.copy_(lm)
+        if rp is not None:
+            heads.root_proj.copy_(rp)
     return heads.eval()
 
 

@@ -31,12 +31,12 @@ class Step:
 def draft(drafter, hidden, roots, tree, context=None):
     """Tokens for every node: the root, then rank tree.rank[i] of head tree.depth[i] - 1.   -> [A, T]
 
-    drafter.propose(hidden [A, D], top_k, context, num_heads) -> ids [A, num_heads, K] (`drafters.HeadsDrafter`,
+    drafter.propose(hidden [A, D], top_k, context, num_heads, roots) -> ids [A, num_heads, K] (`drafters.HeadsDrafter`,
     or the synthetic `drafters.OracleDrafter`, which reads `context` = (batch indices, tokens emitted so far)
     instead of hidden). Only the heads the tree reaches run: a depth-2 tree drafts with 2 heads, however many exist."""
     tokens = roots[:, None].repeat(1, tree.size)                                    # [A, T]; node 0 = root
     if tree.size > 1:
-        ids = drafter.propose(hidden, tree.top_k, context, num_heads=tree.max_depth)  # [A, depth, K]
+        ids = drafter.propose(hidden, tree.top_k, context, num_heads=tree.max_depth, roots=roots)  # [A, depth, K]
         tokens[:, 1:] = ids[:, tree.depth[1:] - 1, tree.rank[1:]]
     return tokens
 

@@ -40,6 +40,7 @@ def test_cache_targets_line_up(tiny):
     cache = distill.build_cache(model, rows, tmap, top_k=4, num_heads=3)
     n = sum(len(r["answer_ids"]) for r in rows)
     assert cache["x"].shape == (n, model.config.hidden_size)
+    assert cache["root"].tolist() == [t for r in rows for t in r["answer_ids"]]      # the token after each x
     # greedy answers: the base's greedy token at every answer position is the answer's own next token
     want = torch.tensor([t for r in rows for t in r["answer_ids"]])
     assert (cache["greedy"] == want).float().mean() > 0.99
@@ -50,8 +51,18 @@ def test_cache_targets_line_up(tiny):
     assert torch.allclose(cache["tgt_p"].float().sum(-1), torch.ones(n), atol=1e-2)
 
 
-def test_simulated_tau_matches_real_decoding(tiny):
+@pytest.mark.parametrize("root_input", [False, True], ids=["medusa", "root-input"])
+def test_simulated_tau_matches_real_decoding(tiny, root_input):
+    # the simulation and the decoder must agree on what the heads read, the root token included
     model, _, heads, rows = tiny
+    if root_input:
+        plain = heads
+        heads = mt.MTPHeads(plain.num_heads, plain.hidden_size, root_input=True)
+        with torch.no_grad():
+            heads.res_weight.copy_(plain.res_weight)
+            heads.res_bias.copy_(plain.res_bias)
+            heads.root_proj.copy_(0.3 * torch.randn(plain.hidden_size, plain.hidden_size,
+                                                    generator=torch.Generator().manual_seed(0)) / plain.hidden_size ** 0.5)
     heads.token_map = None
     tmap = torch.arange(model.config.vocab_size)
     cache = distill.build_cache(model, rows, tmap, top_k=1, num_heads=heads.num_heads)

@@ -351,3 +351,71 @@ def test_generate_uses_the_tree_stored_with_the_heads(medusa_case):
     res = mt.generate(model, prompts, 24, heads=heads)                       # tree=None: the stored one
     assert res.tokens == ref and res.stats.tree_size == 4
     assert mt.generate(model, prompts, 24, heads=heads, tree="chain-2").stats.tree_size == 3   # an explicit tree wins
+
+
+# ---- heads that read the root token: x' = x + P e_root --------------------------------------------------------
+def root_heads(H, D, seed=0):
+    heads = random_heads(H, D, seed)
+    heads.root_proj = torch.nn.Parameter(torch.randn(D, D, generator=torch.Generator().manual_seed(seed + 1)) / D)
+    return heads
+
+
+def test_root_input_forward_math():
+    heads = root_heads(3, 20, seed=4)
+    x, e = torch.randn(5, 20), torch.randn(5, 20)
+    P, W, b = (t.detach().double() for t in (heads.root_proj, heads.res_weight, heads.res_bias))
+    xp = x.double() + e.double() @ P.T
+    for h in range(3):
+        assert_close(heads(x, e)[:, h], xp + torch.nn.functional.silu(xp @ W[h].T + b[h]), atol=1e-5, rtol=1e-5,
+                     what=f"head {h}")
+    with pytest.raises(ValueError, match="root_emb"):
+        heads(x)
+    zero = MTPHeads(3, 20, root_input=True)                  # P = 0 (training's start): the Medusa heads
+    with torch.no_grad():
+        zero.res_weight.copy_(heads.res_weight)
+        zero.res_bias.copy_(heads.res_bias)
+    assert torch.equal(zero(x, e), random_heads(3, 20, seed=4)(x))
+
+
+def test_root_input_round_trip_and_bad_files(tmp_path):
+    heads = root_heads(2, 12, seed=1)
+    heads.save(str(tmp_path / "h"))
+    back = load_heads(str(tmp_path / "h"))
+    assert back.root_input and torch.equal(back.root_proj, heads.root_proj)
+    assert json.loads((tmp_path / "h" / "heads.json").read_text())["root_input"] is True
+    assert load_heads(str(tmp_path / "h"), dtype=torch.bfloat16).root_proj.dtype == torch.bfloat16
+    random_heads(2, 12).save(str(tmp_path / "plain"))
+    meta = json.loads((tmp_path / "plain" / "heads.json").read_text())
+    assert "root_input" not in meta and not load_heads(str(tmp_path / "plain")).root_input
+    meta["root_input"] = True                                # the metadata promises a tensor the file lacks
+    (tmp_path / "plain" / "heads.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="root_input"):
+        load_heads(str(tmp_path / "plain"))
+    save_file({"res_weight": torch.zeros(2, 12, 12), "res_bias": torch.zeros(2, 12), "root_proj": torch.zeros(12, 5)},
+              str(tmp_path / "heads.safetensors"))
+    with pytest.raises(ValueError, match="root_proj"):
+        load_heads(str(tmp_path / "heads.safetensors"))
+
+
+def test_root_input_heads_draft_from_the_root_and_decode_losslessly(medusa_case):
+    import mtp_triton as mt
+    from mtp_triton.drafters import HeadsDrafter
+    from mtp_triton.ops import get_ops
+    model, _, prompts, ref = medusa_case
+    D = model.config.hidden_size
+    heads = root_heads(4, D, seed=3)
+    heads.root_proj.data *= 40                              # strong enough that the root changes the drafts
+    drafter = HeadsDrafter(heads, model, get_ops("torch", model.device))
+    dt = model.dtype
+    hidden = torch.randn(3, D, generator=torch.Generator().manual_seed(0)).to(dt)
+    roots = torch.tensor([1, 50, 99])
+    ids = drafter.propose(hidden, 4, roots=roots)
+    lm, _ = heads.draft_weights(model.lm_head.weight)
+    xp = hidden + model.embed_tokens.weight[roots] @ heads.root_proj.detach().to(dt).T
+    want, _ = mt.reference.fused_draft(xp, heads.res_weight.detach().to(dt), heads.res_bias.detach().to(dt), lm, 4)
+    assert torch.equal(ids, want)
+    assert not torch.equal(ids, drafter.propose(hidden, 4, roots=torch.tensor([2, 3, 4])))
+    with pytest.raises(ValueError, match="roots"):
+        drafter.propose(hidden, 4)
+    for tree in ("chain-2", "medusa-16"):
+        assert mt.generate(model, prompts, 24, heads=heads, tree=tree).tokens == ref

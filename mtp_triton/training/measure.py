@@ -41,11 +41,12 @@ def drafting_cost(model, heads, top_k, reps=7, num_heads=None):
     """Median seconds of one drafting call (the first num_heads heads, the draft vocabulary) at batch 1, torch path."""
     d = HeadsDrafter(heads, model, get_ops("torch", model.device))
     h = torch.randn(1, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(model.dtype)
-    d.propose(h, top_k, num_heads=num_heads)
+    root = torch.zeros(1, dtype=torch.int64, device=model.device)
+    d.propose(h, top_k, num_heads=num_heads, roots=root)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        d.propose(h, top_k, num_heads=num_heads)
+        d.propose(h, top_k, num_heads=num_heads, roots=root)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
