@@ -30,7 +30,12 @@ def _stamp(r):
 
 
 def _latest(rows, key="timestamp"):
-    last = max(r[key] for r in rows)
+    """The rows of the newest run: the value of `key` (a run id, a commit, a timestamp) whose rows were written
+    last (CSV files keep earlier runs' rows; commits and run ids do not sort by time, timestamps do)."""
+    newest = {}
+    for r in rows:
+        newest[r[key]] = max(newest.get(r[key], ""), r.get("timestamp", ""))
+    last = max(newest, key=newest.get)
     return [r for r in rows if r[key] == last]
 
 

@@ -16,3 +16,16 @@ def test_quickstart_commands():
     assert "bash scripts/setup.sh && .venv/bin/python -m mtp_triton demo" in text
     assert "bash scripts/test.sh" in text
     assert "exec bash scripts/test.sh" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_the_newest_run_wins_whatever_its_commit_or_id():
+    # CSVs keep earlier runs; commits and run ids are hex, so "newest" must come from the timestamps
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("render", ROOT / "scripts" / "render_readme_results.py")
+    render = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(render)
+    rows = [dict(commit="c0712b5", run_id="f0", timestamp="2026-12-01T10:22:53"),
+            dict(commit="85cfe57", run_id="a1", timestamp="2026-12-01T12:33:20"),
+            dict(commit="85cfe57", run_id="a1", timestamp="2026-12-01T12:33:12")]
+    for key in ("commit", "run_id", "timestamp"):
+        assert {r["commit"] for r in render._latest(rows, key)} == {"85cfe57"}, key

@@ -51,6 +51,14 @@ def goals(info):
     return out
 
 
+def flag(k, v):
+    """One option of the recorded command line as argparse reads it (booleans as --x / --no-x)."""
+    k = k.replace("_", "-")
+    if isinstance(v, bool):
+        return f"--{k}" if v else f"--no-{k}"
+    return f"--{k} {v}"
+
+
 def main():
     info, meta = load("records/train_distill.json"), load("heads.json")
     demo = load("records/demo.json") if os.path.exists(os.path.join(HERE, "records/demo.json")) else None
@@ -71,7 +79,7 @@ def main():
              "by `make_card.py`; CPU numbers come from this project's 2-core x86-64 machine.\n")
     L.append("## How they were made\n")
     L.append("```\npython -m mtp_triton train_heads distill " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in cfg.items() if k not in ("recipe",) and v is not None) + "\n```\n")
+        flag(k, v) for k, v in cfg.items() if k not in ("recipe",) and v is not None) + "\n```\n")
     sec = info["seconds"]
     share = cfg.get("sample_share") or 0
     sampling = ("every prompt greedily, no sampled answers (sample share 0)" if not share else
@@ -89,10 +97,13 @@ def main():
     L.append(f"- **Training**: frozen base, soft targets (the base's own top-{cfg['top_k']} distribution over the draft "
              f"vocabulary at t + h + 1), AdamW lr {cfg['lr']}, batch {cfg['batch']} positions, {info['steps']} steps, "
              f"{info['threads']} CPU threads, bf16 matmuls.")
-    L.append(f"- **Time** (wall clock on the 2-core machine, shared with 3-4 other jobs most of the time; summed over "
+    L.append(f"- **Time** (wall clock on the 2-core machine; summed over "
              f"{info.get('invocations', 1)} invocations of the command, a resumed one adding only what it redid): "
-             f"answers {sec['answers'] / 60:.1f} min, cache {sec['cache'] / 60:.1f} min, training "
-             f"{sec['train'] / 60:.1f} min, measurement {sec['measure'] / 60:.1f} min. Most answers were written "
+             f"answers {sec['answers'] / 60:.1f} min, cache {sec['cache'] / 60:.1f} min (both written by the earlier "
+             "invocations, on a machine shared with 3-4 other jobs; the last one reused them), training "
+             f"{sec['train'] / 60:.1f} min, measurement {sec['measure'] / 60:.1f} min (the last invocation, which "
+             "trained these heads from a fresh start; the training and measuring of the heads they replace are not "
+             f"counted), {sum(sec.values()) / 60:.0f} min in all. Most answers were written "
              "before the command ran, by the same function (`mtp_triton/training/answers.py`) in two earlier "
              "sessions, the first with this engine and the second with transformers (the counts are above); "
              "together they took about an hour of wall clock on the shared machine, which these times do not "
