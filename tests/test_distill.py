@@ -99,3 +99,35 @@ def test_tiny_distill_run_end_to_end(tmp_path):
     tok = mt.load_tokenizer(TINY)
     ids = [tok(t)["input_ids"] for t in TEXTS[:2]]
     assert mt.generate(model, ids, 16, heads=heads).tokens == mt.generate(model, ids, 16, mtp=False).tokens
+
+
+def test_root_projection_gradient_in_one_pass_equals_the_summed_loss():
+    # train() computes x' = x + P e_root once per step, back-propagates head by head to x', then once through P:
+    # the gradients must be those of the plain sum of the heads' losses
+    torch.manual_seed(0)
+    N, D, V, H, K = 200, 16, 50, 3, 4
+    cache = dict(x=torch.randn(N, D), root=torch.randint(0, V, (N,)), ok=torch.rand(N, H) > 0.2,
+                 tgt_idx=torch.randint(0, V, (N, K)).int(), tgt_p=torch.softmax(torch.randn(N, K), -1))
+    cache["ok"][-H:] = False
+    embed, sub = torch.randn(V, D), torch.randn(V, D).bfloat16()
+    heads = mt.MTPHeads(H, D, root_input=True)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.1)
+    i = torch.arange(N - H)
+
+    def inputs():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return distill.head_inputs(heads, embed, cache, i, torch.float32)
+
+    xp = inputs()
+    x = xp.detach().requires_grad_(True)
+    for h in range(H):
+        (distill.head_loss(heads, sub, cache, i, x, h) / H).backward()
+    xp.backward(x.grad)
+    split = [p.grad.clone() for p in heads.parameters()]
+    heads.zero_grad()
+    xp = inputs()
+    sum(distill.head_loss(heads, sub, cache, i, xp, h) / H for h in range(H)).backward()
+    for got, p in zip(split, heads.parameters()):
+        assert torch.allclose(got, p.grad, atol=1e-6), "P's gradient"

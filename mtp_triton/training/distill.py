@@ -124,20 +124,18 @@ def head_inputs(heads, embed, cache, i, dtype):
     """x'_i = x_i + P e_root(i) at positions i (x_i for heads without root input), in `dtype`; embed [V, D]: the
     model's input embedding."""
     x = cache["x"][i].to(dtype)
-    if not heads.root_input:
-        return x
-    return heads.head_input(x, embed[cache["root"][i]].to(dtype))
+    return heads.head_input(x, embed[cache["root"][i]].to(dtype) if heads.root_input else None)
 
 
-def head_loss(heads, sub, cache, i, h, embed=None):
-    """Soft cross-entropy of head h at positions i against the base's distribution at i + h + 1 (same answer)."""
+def head_loss(heads, sub, cache, i, x, h):
+    """Soft cross-entropy of head h at positions i against the base's distribution at i + h + 1 (same answer);
+    x [len(i), D]: the heads' inputs x' at those positions (`head_inputs`)."""
     w, b = heads.res_weight[h], heads.res_bias[h]
     keep = cache["ok"][i, h]
-    i = i[keep]
+    i, x = i[keep], x[keep]
     if i.numel() == 0:
         return None
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        x = head_inputs(heads, embed, cache, i, torch.float32)
         z = x + F.silu(x @ w.T + b)
         logits = z @ sub.T                                                        # [M, V']
     logq = torch.log_softmax(logits.float(), -1)
@@ -161,12 +159,17 @@ def train(heads, model, cache, minutes, steps=100000, batch=512, lr=2e-3, seed=0
 
     def step_fn(step):
         i = starts[torch.randint(0, starts.numel(), (batch,), generator=gen)]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            xp = head_inputs(heads, embed, cache, i, torch.float32)   # x' once for all heads   [batch, D]
+        x = xp.detach().requires_grad_(heads.root_input)            # the heads' gradients w.r.t. x' meet here
         out = {}
         for h in range(heads.num_heads):
-            loss = head_loss(heads, sub, cache, i, h, embed)
+            loss = head_loss(heads, sub, cache, i, x, h)
             if loss is not None:
                 (loss / heads.num_heads).backward()              # one head's [M, V'] logits alive at a time
                 out[f"loss_head{h}"] = loss.item()
+        if x.grad is not None:
+            xp.backward(x.grad)                                  # then P's gradient, in one pass
         out["loss"] = sum(out.values()) / max(len(out), 1)
         return out
 
