@@ -131,3 +131,27 @@ def test_root_projection_gradient_in_one_pass_equals_the_summed_loss():
     sum(distill.head_loss(heads, sub, cache, i, xp, h) / H for h in range(H)).backward()
     for got, p in zip(split, heads.parameters()):
         assert torch.allclose(got, p.grad, atol=1e-6), "P's gradient"
+
+
+def test_extended_cache_equals_one_built_at_once(tiny):
+    model, _, _, rows = tiny
+    tmap = torch.arange(model.config.vocab_size)
+    whole = distill.build_cache(model, rows, tmap, top_k=4, num_heads=3)
+    old = distill.build_cache(model, rows[:3], tmap, top_k=4, num_heads=3)
+    del old["keys"], old["root"]                        # a cache from before keys and roots were stored
+    ext, added = distill.extend_cache(model, old, rows, num_heads=3)
+    assert added == 2 and ext["keys"] == whole["keys"] == [f"{r['id']}/greedy" for r in rows]
+    for f in ("x", "tgt_p"):
+        assert torch.allclose(ext[f].float(), whole[f].float(), atol=1e-3), f
+    for f in ("tgt_idx", "greedy", "ok", "root"):
+        assert torch.equal(ext[f], whole[f]), f
+    assert distill.extend_cache(model, ext, rows, num_heads=3)[1] == 0                # nothing left to add
+    with pytest.raises(ValueError, match="not in the answer rows"):
+        distill.extend_cache(model, whole, rows[1:], num_heads=3)
+    with pytest.raises(ValueError, match="built for 3 heads"):
+        distill.extend_cache(model, whole, rows, num_heads=4)
+    bad = dict(whole)
+    bad.pop("keys")
+    bad["x"] = bad["x"][:-1]                            # no prefix of the answers has this many tokens
+    with pytest.raises(ValueError, match="no prefix"):
+        distill.extend_cache(model, bad, rows, num_heads=3)

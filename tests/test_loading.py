@@ -273,3 +273,22 @@ def test_smollm2_greedy_matches_transformers(smol):
     heads = mt.init_heads(model, num_heads=4, seed=0)
     for tree in ("chain-4", "medusa-16"):
         assert mt.generate(model, prompts, 16, heads=heads, tree=tree).tokens == ref, tree
+
+
+def test_smollm2_writes_its_own_prompts(smol, tmp_path):
+    """Magpie-style: handed its chat template up to a user turn, the real model writes user messages; both the
+    transformers and the engine sampler produce kept, template-free prompts that round-trip as user turns."""
+    from mtp_triton.training.answers import chat_ids
+    from mtp_triton.training.self_prompts import keep, turn_prefix, write_self_prompts
+    model, tok, hf, _ = smol
+    pre = turn_prefix(tok)
+    assert pre.endswith("<|im_start|>user\n")
+    assert chat_ids(tok, "hi there")[:len(tok(pre)["input_ids"])] == tok(pre)["input_ids"]
+    for who in ("hf", "engine"):
+        kw = dict(hf=hf) if who == "hf" else dict(model=model)
+        rows = write_self_prompts(tok, str(tmp_path / f"{who}.jsonl"), 2, batch=4, max_new_tokens=64,
+                                  max_batches=3, progress=False, **kw)
+        assert rows, who
+        for r in rows:
+            assert keep(r["text"], True, set()) and r["text"] == r["text"].strip(), (who, r["text"])
+            assert r["category"] in ("open", "coding", "writing") and r["text"].startswith(r["opener"])

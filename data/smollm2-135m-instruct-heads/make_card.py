@@ -84,26 +84,41 @@ def main():
     share = cfg.get("sample_share") or 0
     sampling = ("every prompt greedily, no sampled answers (sample share 0)" if not share else
                 f"every prompt greedily, a share of {share:g} also sampled at temperature 0.7, top-p 0.9")
+    n_templated = len(set(json.loads(l)['id'] for l in open(os.path.join(HERE, '..', 'chat', 'train.jsonl'))))
+    own = info.get("self_prompts") or {}
+    own_text = ""
+    if own:
+        own_text = (f" and {sum(own.values())} prompts the model wrote itself (Magpie-style, Xu et al. 2024, "
+                    "https://arxiv.org/abs/2406.08464: handed its chat template up to a user's turn, it writes the "
+                    "message, sampled at temperature 1, top-p 0.95; a batch in six of seven starts with a category's "
+                    "opener such as \"Summarize the following text:\"; turns cut off at 96 tokens, loops, duplicates "
+                    "and any held-out prompt are dropped; `mtp_triton/training/self_prompts.py`; per category: "
+                    + ", ".join(f"{k} {v}" for k, v in own.items())
+                    + "; the prompts are committed as `data/chat/self_prompts.jsonl`)")
     L.append(f"- **Data** (self-distillation, as Medusa-2 builds its data): the model's own answers to "
-             f"{len(set(json.loads(l)['id'] for l in open(os.path.join(HERE, '..', 'chat', 'train.jsonl'))))} "
-             f"templated chat prompts of six categories built from the Python standard library and word lists in "
-             f"`data/chat/make_prompts.py` ({info['answers']} answers: {sampling}; {info['answer_tokens']} answer "
-             f"tokens; " + ", ".join(f"{n} written by {WHO.get(by, by)} `generate`" for by, n in info["answers_by"].items())
+             f"{n_templated} templated chat prompts of six categories built from the Python standard library and "
+             f"word lists in `data/chat/make_prompts.py`{own_text} ({info['answers']} answers: {sampling}; "
+             f"{info['answer_tokens']} answer tokens; "
+             + ", ".join(f"{n} written by {WHO.get(by, by)} `generate`" for by, n in info["answers_by"].items())
              + ", bf16).")
-    L.append(f"- **Draft vocabulary**: the {info['draft_vocab']} most frequent answer tokens (+ EOS); they cover "
+    L.append(f"- **Draft vocabulary**: the {info['draft_vocab']} most frequent answer tokens (+ EOS)"
+             + (" of the answers the cache was first built from (the templated prompts'; extending the cache with "
+                "the self-written prompts' answers kept it)" if own else "") + "; they cover "
              f"{100 * info['coverage_train']:.1f} % of the training answers' tokens and "
              + ", ".join(f"{100 * v:.1f} % of the {k} held-out answers'" for k, v in info["coverage_heldout"].items())
              + ".")
     L.append(f"- **Training**: frozen base, soft targets (the base's own top-{cfg['top_k']} distribution over the draft "
              f"vocabulary at t + h + 1), AdamW lr {cfg['lr']}, batch {cfg['batch']} positions, {info['steps']} steps, "
              f"{info['threads']} CPU threads, bf16 matmuls.")
+    phases = ", ".join(f"{k} {sec[k] / 60:.1f} min" for k in ("prompts", "answers", "cache") if k in sec)
     L.append(f"- **Time** (wall clock on the 2-core machine; summed over "
              f"{info.get('invocations', 1)} invocations of the command, a resumed one adding only what it redid): "
-             f"answers {sec['answers'] / 60:.1f} min, cache {sec['cache'] / 60:.1f} min (both written by the earlier "
-             "invocations, on a machine shared with 3-4 other jobs; the last one reused them), training "
+             f"{phases} (the templated prompts' answers and their cache were written by earlier invocations, on a "
+             "machine shared with 3-4 other jobs, and reused; " + ("the self-written prompts, their answers and "
+             "the cache's extension by the last one" if own else "the last one reused them") + "), training "
              f"{sec['train'] / 60:.1f} min, measurement {sec['measure'] / 60:.1f} min (the last invocation, which "
              "trained these heads from a fresh start; the training and measuring of the heads they replace are not "
-             f"counted), {sum(sec.values()) / 60:.0f} min in all. Most answers were written "
+             f"counted), {sum(sec.values()) / 60:.0f} min in all. Most templated prompts' answers were written "
              "before the command ran, by the same function (`mtp_triton/training/answers.py`) in two earlier "
              "sessions, the first with this engine and the second with transformers (the counts are above); "
              "together they took about an hour of wall clock on the shared machine, which these times do not "
@@ -147,8 +162,8 @@ def main():
         L.append(f"| `{name}` | `{sha256(os.path.join(HERE, name))}` |")
     L += goals(info)
     L.append("\nLimits, said plainly: the heads are one ResBlock each, trained for "
-             f"{sec['train'] / 60:.0f} minutes on a CPU on {info['answer_tokens'] / 1e6:.2f} M tokens of templated "
-             "prompts' answers; τ on free-form chat is lower than on the templated held-out set, and below the "
+             f"{sec['train'] / 60:.0f} minutes on a CPU on {info['answer_tokens'] / 1e6:.2f} M tokens of the "
+             "model's answers to templated" + (" and self-written" if own else "") + " prompts; τ on free-form chat is lower than on the templated held-out set, and below the "
              "target. More and broader data, and heads that read the tokens they drafted (EAGLE-style, sequential over "
              "depth) are the obvious next steps.\n")
     with open(os.path.join(HERE, "README.md"), "w") as f:

@@ -3,11 +3,13 @@
     python -m mtp_triton train_heads distill --model smollm2-135m-instruct --prompts data/chat/train.jsonl \
         --work runs/smollm2 --out data/smollm2-135m-instruct-heads --minutes 30
 
+0. prompts  optional (`--self-prompts N`): N more prompts the model writes itself, Magpie-style (`self_prompts.py`)
 1. answers  the model answers every training prompt greedily, a share also by sampling (`answers.py`; resumable)
 2. vocab    the draft vocabulary: the N most frequent tokens of those answers (FR-Spec, Zhao et al. 2025, ranks
             the drafter's vocabulary by frequency the same way); drafting scores only those rows of the LM head
 3. cache    one teacher-forced pass stores, at every answer position t, the final-norm hidden state x_t and the
-            base's own next-token distribution over the draft vocabulary (its top-K, renormalised)
+            base's own next-token distribution over the draft vocabulary (its top-K, renormalised); a later run with
+            more answers extends the cache (`extend_cache`), keeping its draft vocabulary
 4. train    head h at position t learns the base's distribution at t + h + 1 (which predicts token t + h + 2):
                 L_h = - sum_k p_base(k | x_{t+h+1}) log softmax(lm_head_V'(z_h(x'_t)))_k,   z_h = x' + silu(W_h x' + b_h)
             with x' = x + P e_root (the root, token t + 1, is the answer's own next token; `--no-root-input`: x' = x);
@@ -32,6 +34,7 @@ from ..generate import causal_chains
 from ..heads import MTPHeads
 from ..tree import Tree
 from .answers import read_prompts, write_answers
+from .self_prompts import write_self_prompts
 from .loop import Loop, LoopConfig, Recorder, write_json
 
 
@@ -106,7 +109,8 @@ def build_cache(model, rows, token_map, top_k=16, batch=16, num_heads=4):
         pos = torch.arange(n)[:, None] + torch.arange(1, num_heads + 1)[None, :]  # [n, H] the target's position
         ok.append(pos <= n - 1)
     return dict(x=torch.cat(xs), tgt_idx=torch.cat(idx), tgt_p=torch.cat(ps), greedy=torch.cat(greedy),
-                ok=torch.cat(ok), root=torch.cat(roots), token_map=token_map, top_k=top_k)
+                ok=torch.cat(ok), root=torch.cat(roots), token_map=token_map, top_k=top_k,
+                keys=[row_key(r) for r in rows])
 
 
 def add_roots(cache, rows):
@@ -118,6 +122,50 @@ def add_roots(cache, rows):
                              "delete the cache file to rebuild it")
         cache["root"] = root
     return cache
+
+
+def row_key(r):
+    """An answer row's identity in a cache: prompt id and mode (rows made outside `write_answers` may lack them)."""
+    return f"{r.get('id')}/{r.get('mode', 'greedy')}"
+
+
+def cache_keys(cache, rows):
+    """The rows a cache covers, in order. A cache written before `keys` was stored covers a prefix of the answers
+    file (it was built from the whole file, and answers are only ever appended): the prefix whose token count is
+    the cache's size."""
+    if "keys" in cache:
+        return list(cache["keys"])
+    N, n = cache["x"].shape[0], 0
+    for k, r in enumerate(rows):
+        if n == N:
+            return [row_key(q) for q in rows[:k]]
+        n += len(r["answer_ids"])
+    if n == N:
+        return [row_key(q) for q in rows]
+    raise ValueError(f"cache has {N} positions, which is no prefix of the answers: delete the cache file to rebuild it")
+
+
+def extend_cache(model, cache, rows, num_heads):
+    """Add the rows a cache does not cover yet (new answers), with the cache's own draft vocabulary and top-K (the
+    vocabulary is fixed by the first cache built; delete the file to choose it again). -> (cache, rows added)."""
+    keys = cache_keys(cache, rows)
+    have = set(keys)
+    if cache["ok"].shape[1] != num_heads:
+        raise ValueError(f"cache was built for {cache['ok'].shape[1]} heads, not {num_heads}: delete it to rebuild")
+    if "root" not in cache:
+        by_key = {row_key(r): r for r in rows}
+        cache = add_roots(cache, [by_key[k] for k in keys])
+    gone = have - {row_key(r) for r in rows}
+    if gone:
+        raise ValueError(f"cache holds {len(gone)} answers that are not in the answer rows (e.g. {min(gone)}): "
+                         "delete the cache file to rebuild it for this prompt set")
+    new = [r for r in rows if row_key(r) not in have]
+    if new:
+        more = build_cache(model, new, cache["token_map"], cache["top_k"], num_heads=num_heads)
+        for f in ("x", "tgt_idx", "tgt_p", "greedy", "ok", "root"):
+            cache[f] = torch.cat([cache[f], more[f]])
+    cache["keys"] = keys + [row_key(r) for r in new]
+    return cache, len(new)
 
 
 def head_inputs(heads, embed, cache, i, dtype):
@@ -268,20 +316,31 @@ def run(args):
     os.makedirs(args.work, exist_ok=True)
     records = args.records or os.path.join(args.out, "records")
     prompts = read_prompts(args.prompts)
+    self_rows = []
+    if args.self_prompts:                       # Magpie-style prompts the model writes, none equal to a held-out one
+        held_texts = [r["text"] for p in (args.heldout, args.heldout_chat) for r in read_prompts(p)]
+        self_rows = write_self_prompts(tok, os.path.join(args.work, "self-prompts.jsonl"), args.self_prompts,
+                                       hf=hf, model=None if hf is not None else model, batch=args.gen_batch,
+                                       seed=args.seed, avoid=held_texts)
+    t_prompts = time.time() - t0
+    prompts = prompts + self_rows
     answers_file = os.path.join(args.work, "answers.jsonl")
     write_answers(model, tok, prompts, answers_file, args.max_new_tokens, args.sample_share, batch=args.gen_batch,
                   hf=hf)
     del hf
-    t_answers = time.time() - t0
+    t_answers = time.time() - t0 - t_prompts
     rows = read_answers(answers_file, {r["id"] for r in prompts})
-    token_map = draft_vocab(rows, args.vocab, always=[tok.eos_token_id])
     cache_file = os.path.join(args.work, f"cache-v{args.vocab}-k{args.top_k}.pt")
-    if os.path.exists(cache_file):
-        cache = add_roots(torch.load(cache_file, weights_only=False), rows)
+    if os.path.exists(cache_file):              # built before: add the answers it lacks (same draft vocabulary)
+        cache, added = extend_cache(model, torch.load(cache_file, weights_only=False), rows, args.num_heads)
+        if added:
+            torch.save(cache, cache_file)
+        token_map = cache["token_map"]
     else:
+        token_map = draft_vocab(rows, args.vocab, always=[tok.eos_token_id])
         cache = build_cache(model, rows, token_map, args.top_k, num_heads=args.num_heads)
         torch.save(cache, cache_file)
-    t_cache = time.time() - t0 - t_answers
+    t_cache = time.time() - t0 - t_prompts - t_answers
     heads = new_heads(model, args.num_heads, token_map, args.root_input)
     steps, train_s = train(heads, model, cache, args.minutes, steps=args.steps, batch=args.batch, lr=args.lr,
                            seed=args.seed,
@@ -311,14 +370,16 @@ def run(args):
     t_measure = time.time() - t1
     heads.tree = [list(p) for p in tree.paths[1:]]
     # seconds per phase, summed over the invocations that did the work (a resumed run adds only what it redid)
-    spent = dict(answers=t_answers, cache=t_cache, train=train_s, measure=t_measure)
+    spent = dict(prompts=t_prompts, answers=t_answers, cache=t_cache, train=train_s, measure=t_measure)
     timing_file = os.path.join(args.work, "timings.json")
     past = json.load(open(timing_file)) if os.path.exists(timing_file) else {}
     total = {k: past.get(k, 0.0) + v for k, v in spent.items() if k != "train"}
     total["train"] = train_s                                 # the Loop already sums training time over resumes
     total["invocations"] = past.get("invocations", 0) + 1
     write_json(timing_file, total)
-    info = dict(model=args.model, prompts=args.prompts, answers=len(rows), answer_tokens=sum(lengths_of(rows)),
+    info = dict(model=args.model, prompts=args.prompts, self_prompts=dict(collections.Counter(r["category"]
+                                                                                             for r in self_rows)),
+                answers=len(rows), answer_tokens=sum(lengths_of(rows)),
                 answers_by=dict(collections.Counter(r.get("by", "unrecorded") for r in rows)), draft_vocab=len(token_map), coverage_train=coverage(rows, token_map),
                 coverage_heldout={n: coverage(r, token_map) for n, r in held.items()}, steps=steps,
                 seconds={k: round(v, 1) for k, v in total.items() if k != "invocations"},
@@ -353,6 +414,8 @@ def add_arguments(sp):
     sp.add_argument("--max-new-tokens", type=int, default=256)
     sp.add_argument("--eval-new-tokens", type=int, default=192)
     sp.add_argument("--sample-share", type=float, default=0.4)
+    sp.add_argument("--self-prompts", type=int, default=0,
+                    help="also answer this many prompts the model writes itself (Magpie-style, self_prompts.py)")
     sp.add_argument("--gen-batch", type=int, default=32)
     sp.add_argument("--minutes", type=float, default=30.0, help="training time budget")
     sp.add_argument("--steps", type=int, default=6000, help="training step budget (whichever ends first)")
