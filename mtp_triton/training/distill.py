@@ -415,7 +415,8 @@ def add_arguments(sp):
     sp.add_argument("--eval-new-tokens", type=int, default=192)
     sp.add_argument("--sample-share", type=float, default=0.4)
     sp.add_argument("--self-prompts", type=int, default=0,
-                    help="also answer this many prompts the model writes itself (Magpie-style, self_prompts.py)")
+                    help="also answer this many prompts the model writes itself (Magpie-style, self_prompts.py; needs a chat "
+                         "template; the shipped SmolLM2 heads used 1200)")
     sp.add_argument("--gen-batch", type=int, default=32)
     sp.add_argument("--minutes", type=float, default=30.0, help="training time budget")
     sp.add_argument("--steps", type=int, default=6000, help="training step budget (whichever ends first)")
