@@ -45,18 +45,20 @@ def jobs(rows, sample_share=0.4, seed=0):
     return out
 
 
-def done_keys(path):
-    if not os.path.exists(path):
-        return set()
-    keys = set()
+def read_jsonl(path):
+    """The rows of a JSONL file that an interrupted run may have left with a torn last line (skipped: redone)."""
+    rows = []
     with open(path) as f:
         for line in f:
             try:
-                r = json.loads(line)
-            except json.JSONDecodeError:          # a torn last line from an interrupted run: redo it
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
                 continue
-            keys.add((r["id"], r["mode"]))
-    return keys
+    return rows
+
+
+def done_keys(path):
+    return {(r["id"], r["mode"]) for r in read_jsonl(path)} if os.path.exists(path) else set()
 
 
 @torch.no_grad()

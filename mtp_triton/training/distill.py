@@ -33,21 +33,14 @@ import torch.nn.functional as F
 from ..generate import causal_chains
 from ..heads import MTPHeads
 from ..tree import Tree
-from .answers import read_prompts, write_answers
+from .answers import read_jsonl, read_prompts, write_answers
 from .self_prompts import write_self_prompts
 from .loop import Loop, LoopConfig, Recorder, write_json
 
 
 def read_answers(path, ids=None):
-    rows = []
-    with open(path) as f:
-        for line in f:
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if ids is None or r["id"] in ids:
-                rows.append(r)
+    """The answer rows of `path` (those of prompts in `ids`, if given), in file order."""
+    rows = [r for r in read_jsonl(path) if ids is None or r["id"] in ids]
     return rows
 
 

@@ -24,6 +24,9 @@ import re
 
 import torch
 
+from ..generate import generate
+from .answers import hf_answers, read_jsonl
+
 # openers per category: the first words of a user's turn, the model writes the rest ("" = nothing: free Magpie)
 OPENERS = {
     "open": [""],
@@ -88,13 +91,9 @@ def sample_turns(tok, prefix, n, max_new_tokens, seed, hf=None, model=None, temp
     ids = list(tok(prefix, add_special_tokens=False)["input_ids"]) if prefix else [tok.bos_token_id or 0]
     stop = end_of_turn(tok)
     if hf is not None:
-        x = torch.tensor([ids] * n, device=hf.device)
-        torch.manual_seed(seed)
-        out = hf.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
-                          do_sample=True, temperature=temperature, top_p=top_p, top_k=0, eos_token_id=stop,
-                          pad_token_id=stop)[:, len(ids):].tolist()
+        out = hf_answers(hf, [ids] * n, max_new_tokens, stop, sample=True, temperature=temperature, top_p=top_p,
+                         seed=seed)
     else:
-        from ..generate import generate
         out = generate(model, [ids] * n, max_new_tokens, mtp=False, temperature=temperature, top_p=top_p, seed=seed,
                        eos_token_id=stop).tokens
     res = []
@@ -103,19 +102,6 @@ def sample_turns(tok, prefix, n, max_new_tokens, seed, hf=None, model=None, temp
         o = o[:o.index(stop)] if ended else o
         res.append((tok.decode(o, skip_special_tokens=False), ended))
     return res
-
-
-def read_rows(path):
-    if not os.path.exists(path):
-        return []
-    rows = []
-    with open(path) as f:
-        for line in f:
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:          # a torn last line from an interrupted run
-                continue
-    return rows
 
 
 def write_self_prompts(tok, path, n, hf=None, model=None, batch=32, max_new_tokens=96, seed=0, avoid=(),
@@ -128,7 +114,7 @@ def write_self_prompts(tok, path, n, hf=None, model=None, batch=32, max_new_toke
         raise ValueError("pass exactly one of hf= (a transformers model) or model= (this engine's)")
     if n < 0 or batch < 1:
         raise ValueError(f"n must be >= 0 and batch >= 1, got n={n}, batch={batch}")
-    rows = read_rows(path)
+    rows = read_jsonl(path) if os.path.exists(path) else []
     seen = {normalise(t) for t in avoid} | {normalise(r["text"]) for r in rows}
     start = max((r["batch"] for r in rows), default=-1) + 1
     max_batches = max_batches if max_batches is not None else 4 * n // batch + 8
