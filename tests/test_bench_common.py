@@ -9,7 +9,7 @@ import textwrap
 import time
 
 import pytest
-from bench_helpers import EMBEDDED, ROOT, child_env, read_csv
+from bench_helpers import EMBEDDED, ROOT, child_env, default_sigint, read_csv
 
 from mtp_triton.bench import common
 
@@ -70,7 +70,7 @@ def test_sigint_during_append_leaves_the_file_byte_identical(tmp_path, column):
     common.append_rows(path, rows_of(100))
     before = path.read_bytes()
     p = subprocess.run([sys.executable, "-c", INTERRUPT_MID_ROW, str(path), column], capture_output=True, text=True,
-                       env=child_env(), timeout=120)
+                       env=child_env(), timeout=120, preexec_fn=default_sigint)
     assert "KeyboardInterrupt" in p.stderr and "NOT INTERRUPTED" not in p.stdout, p.stdout + p.stderr
     assert path.read_bytes() == before
     assert [f for f in os.listdir(tmp_path) if f != "r.csv"] == []          # no temporary file left behind
@@ -95,7 +95,7 @@ def test_sigint_at_any_moment_keeps_whole_batches(tmp_path, delay):
     path = tmp_path / "r.csv"
     common.append_rows(path, [dict(batch=-1, i=j, pad="q" * 1000) for j in range(1000)])
     p = subprocess.Popen([sys.executable, "-c", APPEND_FOREVER, str(path)], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=child_env())
+                         stderr=subprocess.PIPE, text=True, env=child_env(), preexec_fn=default_sigint)
     try:
         for _ in range(3):                                                  # a few batches written
             assert p.stdout.readline(), p.stderr.read()

@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from bench_helpers import EMBEDDED, ROOT, child_env, read_csv
+from bench_helpers import EMBEDDED, ROOT, child_env, default_sigint, read_csv
 
 from mtp_triton.__main__ import main as cli
 from mtp_triton.bench import eval_harness
@@ -51,7 +51,8 @@ def test_sigint_during_a_long_run_keeps_the_finished_requests(earlier, tmp_path)
     csv_path = os.path.join(out, "eval.csv")
     n_before = len(read_csv(csv_path))
     p = subprocess.Popen([sys.executable, "-m", "mtp_triton", "eval", *QUICK, "--long-run", "1000000", "--out", out],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=ROOT)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=ROOT,
+                         preexec_fn=default_sigint)
     try:
         seen, deadline = 0, time.time() + 240
         while seen < 3 and time.time() < deadline and p.poll() is None:      # wait for 3 finished long-run requests
