@@ -95,6 +95,7 @@ def test_tiny_distill_run_end_to_end(tmp_path):
     heads = mt.load_heads(str(out))
     assert heads.num_heads == 3 and heads.token_map.numel() <= 512 and heads.tree is not None
     assert info["steps"] > 0 and set(info["heldout"]) == {"templated", "chat"}
+    assert info["cache"] == dict(fresh=True, rows_added=info["answers"])     # the card's vocabulary sentence reads it
     model = mt.load_model(TINY, device="cpu")
     tok = mt.load_tokenizer(TINY)
     ids = [tok(t)["input_ids"] for t in TEXTS[:2]]

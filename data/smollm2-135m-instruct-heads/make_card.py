@@ -101,21 +101,32 @@ def main():
              f"{info['answer_tokens']} answer tokens; "
              + ", ".join(f"{n} written by {WHO.get(by, by)} `generate`" for by, n in info["answers_by"].items())
              + ", bf16).")
+    origin = info.get("cache")                  # recorded since the cache could be extended; older records: none
+    if origin is None:
+        whence = (" of the answers the cache was first built from (the templated prompts'; extending the cache with "
+                  "the self-written prompts' answers kept it)" if own else "")
+    elif origin["fresh"]:
+        whence = " of all the training answers (the last invocation built the cache)"
+    else:
+        whence = (f" of the answers the cache was first built from (the last invocation extended it with "
+                  f"{origin['rows_added']} answers and kept it)")
     L.append(f"- **Draft vocabulary**: the {info['draft_vocab']} most frequent answer tokens (+ EOS)"
-             + (" of the answers the cache was first built from (the templated prompts'; extending the cache with "
-                "the self-written prompts' answers kept it)" if own else "") + "; they cover "
+             + whence + "; they cover "
              f"{100 * info['coverage_train']:.1f} % of the training answers' tokens and "
              + ", ".join(f"{100 * v:.1f} % of the {k} held-out answers'" for k, v in info["coverage_heldout"].items())
              + ".")
     L.append(f"- **Training**: frozen base, soft targets (the base's own top-{cfg['top_k']} distribution over the draft "
              f"vocabulary at t + h + 1), AdamW lr {cfg['lr']}, batch {cfg['batch']} positions, {info['steps']} steps, "
              f"{info['threads']} CPU threads, bf16 matmuls.")
+    fresh = bool(origin and origin["fresh"])
+    reused = "the templated prompts' answers" + ("" if fresh else " and their cache")
+    made_last = (("the self-written prompts, their answers and " + ("the cache" if fresh else "the cache's extension")
+                  + " by the last one") if own else ("the cache by the last one" if fresh else "the last one reused them"))
     phases = ", ".join(f"{k} {sec[k] / 60:.1f} min" for k in ("prompts", "answers", "cache") if k in sec)
     L.append(f"- **Time** (wall clock on the 2-core machine; summed over "
              f"{info.get('invocations', 1)} invocations of the command, a resumed one adding only what it redid): "
-             f"{phases} (the templated prompts' answers and their cache were written by earlier invocations, on a "
-             "machine shared with 3-4 other jobs, and reused; " + ("the self-written prompts, their answers and "
-             "the cache's extension by the last one" if own else "the last one reused them") + "), training "
+             f"{phases} ({reused} were written by earlier invocations, on a machine shared with 3-4 other jobs, and "
+             f"reused; {made_last}), training "
              f"{sec['train'] / 60:.1f} min, measurement {sec['measure'] / 60:.1f} min (the last invocation, which "
              "trained these heads from a fresh start; the training and measuring of the heads they replace are not "
              f"counted), {sum(sec.values()) / 60:.0f} min in all. Most templated prompts' answers were written "

@@ -329,10 +329,12 @@ def run(args):
         if added:
             torch.save(cache, cache_file)
         token_map = cache["token_map"]
+        cache_origin = dict(fresh=False, rows_added=added)      # the card says where the vocabulary came from
     else:
         token_map = draft_vocab(rows, args.vocab, always=[tok.eos_token_id])
         cache = build_cache(model, rows, token_map, args.top_k, num_heads=args.num_heads)
         torch.save(cache, cache_file)
+        cache_origin = dict(fresh=True, rows_added=len(rows))
     t_cache = time.time() - t0 - t_prompts - t_answers
     heads = new_heads(model, args.num_heads, token_map, args.root_input)
     steps, train_s = train(heads, model, cache, args.minutes, steps=args.steps, batch=args.batch, lr=args.lr,
@@ -372,7 +374,7 @@ def run(args):
     write_json(timing_file, total)
     info = dict(model=args.model, prompts=args.prompts, self_prompts=dict(collections.Counter(r["category"]
                                                                                              for r in self_rows)),
-                answers=len(rows), answer_tokens=sum(lengths_of(rows)),
+                answers=len(rows), answer_tokens=sum(lengths_of(rows)), cache=cache_origin,
                 answers_by=dict(collections.Counter(r.get("by", "unrecorded") for r in rows)), draft_vocab=len(token_map), coverage_train=coverage(rows, token_map),
                 coverage_heldout={n: coverage(r, token_map) for n, r in held.items()}, steps=steps,
                 seconds={k: round(v, 1) for k, v in total.items() if k != "invocations"},
