@@ -2,7 +2,9 @@
 `propose(hidden, top_k, context, num_heads=None, roots=None) -> ids [A, num_heads, K]` (the first num_heads heads; all
 if None; roots [A]: the step's root tokens, read by heads with root input).
 
-`HeadsDrafter` runs MTP heads through `fused_draft` (all heads and their top-k in one call). `OracleDrafter` is a
+`HeadsDrafter` runs MTP heads through `fused_draft` (all heads and their top-k in one call). Heads with token inputs
+(heads.py) propose per tree node instead: `draft_tree(hidden, roots, tree) -> tokens [A, T]`, one `fused_draft` call
+per depth; a drafter that can do this says so with `sequential = True`. `OracleDrafter` is a
 clearly labelled SYNTHETIC drafter for measuring the runtime apart from head quality: it knows each sequence's true
 continuation (from a serial run of the same model) and proposes it at a chosen per-depth acceptance profile: head h's
 rank-0 candidate is the true token with probability profile[h] (independently per step), otherwise a wrong one;
@@ -11,6 +13,26 @@ probability profile[h] too (so bushy trees have something to find). Verification
 model's own, whatever is proposed — only the speed depends on the profile.
 """
 import torch
+import torch.nn.functional as F
+
+from .reference import topk_lower_id_first
+
+
+def bf16_draft(hidden, res_weight, res_bias, lm_head, top_k, *, token_map=None):
+    """`fused_draft`'s math in the inputs' own dtype: the bf16 drafting path of a bf16 engine on a CPU.
+
+    z_h = x + silu(W_h x + b_h) and logits_h = L_h z_h as bf16 matmuls (fp32 accumulation inside, bf16 results),
+    then the top-k rows by descending logit, ties to the lower row — exactly what `training.distill.head_ranks`
+    computes, so the training's simulated tau is what this path decodes with. The PyTorch twin
+    (`reference.fused_draft`, the Triton kernel's specification) computes in fp32 instead; on this CPU that costs
+    1-3 ms per call for an 8192-row draft vocabulary against ~0.3 ms here, and a drafter that draft tree-node by
+    tree-node calls it once per depth. Drafts only steer speed: verification decides every token.
+    -> token_ids [B, H, top_k] (and None: no log-probs on this path)."""
+    pre = torch.einsum("bd,hed->bhe", hidden, res_weight) + res_bias                     # [B, H, D]
+    z = hidden[:, None, :] + F.silu(pre)
+    logits = z @ lm_head.T if lm_head.dim() == 2 else torch.einsum("bhd,hvd->bhv", z, lm_head)   # [B, H, V]
+    rows = topk_lower_id_first(logits.float(), top_k)
+    return (rows if token_map is None else token_map[rows]), None
 
 
 class HeadsDrafter:
@@ -28,21 +50,75 @@ class HeadsDrafter:
         # the rows drafting scores: the model's LM head [V, D], the heads' own [H, V, D], or a draft vocabulary's
         # rows [V', D] with token_map [V'] mapping row -> token id (all prepared once, here)
         self.lm_head, self.token_map = heads.draft_weights(model.lm_head.weight)
+        if getattr(ops, "kind", None) == "torch" and dt == torch.bfloat16 and dev.type == "cpu":
+            self.fused_draft = bf16_draft          # the CPU's bf16 matmuls, as the training measures (see below)
         # heads with root input read x' = x + P e_root (heads.py); the kernel is handed x'
         self.root_proj = None if heads.root_proj is None else heads.root_proj.detach().to(dev, dt).contiguous()
+        # heads with token inputs also read the drafted tokens of their path: s_h = x' + sum_q Q_q e(y_{h-q})
+        self.token_proj = None if heads.token_proj is None else heads.token_proj.detach().to(dev, dt).contiguous()
+        self.sequential = self.token_proj is not None
         self.embed = model.embed_tokens.weight
+        self._plans = {}
+
+    def _root_input(self, hidden, roots):
+        if self.root_proj is None:
+            return hidden
+        if roots is None:
+            raise ValueError("HeadsDrafter: these heads read the root token; pass roots [A]")
+        return hidden + self.embed[roots] @ self.root_proj.T                        # x' = x + P e_root   [A, D]
 
     def propose(self, hidden, top_k, context=None, num_heads=None, roots=None):
         """Candidates of the first `num_heads` heads (all by default): ids [A, num_heads, top_k]."""
+        if self.sequential:
+            raise ValueError("HeadsDrafter.propose: these heads read the drafted tokens of their path, so their "
+                             "candidates depend on the tree node; use draft_tree(hidden, roots, tree)")
         H = num_heads or self.num_heads
         lm = self.lm_head[:H] if self.lm_head.dim() == 3 else self.lm_head          # per-head LM heads: theirs
-        if self.root_proj is not None:
-            if roots is None:
-                raise ValueError("HeadsDrafter: these heads read the root token; pass roots [A]")
-            hidden = hidden + self.embed[roots] @ self.root_proj.T                  # x' = x + P e_root   [A, D]
+        hidden = self._root_input(hidden, roots)
         ids, _ = self.fused_draft(hidden.contiguous(), self.res_weight[:H], self.res_bias[:H], lm, top_k,
                                   token_map=self.token_map)
         return ids
+
+    def _plan(self, tree, device):
+        """Per depth d = 1 .. max_depth: (nodes at d [n], their parents at d - 1 without repeats [p], each node's slot in
+        that list [n], each node's rank [n], top-k needed, ancestors [Q', p]: the nodes at depths d-1, d-2, .. of each
+        parent's path, nearest first (Q' = min(d - 1, Q))). Computed once per tree."""
+        key = (tree.paths, str(device))
+        if key not in self._plans:
+            parents, depth, rank = tree.parents.tolist(), tree.depth.tolist(), tree.rank.tolist()
+            Q, plan = self.token_proj.shape[0], []
+            for d in range(1, tree.max_depth + 1):
+                nodes = [i for i in range(tree.size) if depth[i] == d]
+                par = sorted({parents[i] for i in nodes})
+                slot = [par.index(parents[i]) for i in nodes]
+                anc = []
+                for _ in range(min(d - 1, Q)):                  # walk up from each parent: itself, its parent, ...
+                    anc.append(par if not anc else [parents[a] for a in anc[-1]])
+                t = lambda v: torch.tensor(v, dtype=torch.int64, device=device)
+                plan.append((t(nodes), t(par), t(slot), t([rank[i] for i in nodes]), max(rank[i] for i in nodes) + 1,
+                             t(anc).reshape(len(anc), len(par))))
+            self._plans[key] = plan
+        return self._plans[key]
+
+    def draft_tree(self, hidden, roots, tree):
+        """Tokens for every node of `tree`: [A, T] (node 0 = roots [A]); hidden [A, D] at the root's position.
+
+        Depth by depth: every node p at depth d - 1 with children gets s = x' + sum_q Q_q e(y_{d-1-q}) from the
+        tokens on its path (heads.py), head d - 1 scores it in one `fused_draft` call for all such p and all rows,
+        and child c of p takes rank rank[c] of p's candidates."""
+        A, T = roots.shape[0], tree.size
+        tokens = roots[:, None].repeat(1, T)                                        # [A, T]
+        x = self._root_input(hidden, roots)                                         # [A, D]
+        for d, (nodes, par, slot, rank, k, anc) in enumerate(self._plan(tree, roots.device), 1):
+            h = d - 1
+            s = x[:, None, :].expand(A, par.numel(), x.shape[-1])                   # [A, p, D]
+            for q in range(anc.shape[0]):                                           # y_{h - q}: the q-th ancestor
+                s = s + self.embed[tokens[:, anc[q]]] @ self.token_proj[q].T
+            lm = self.lm_head[h:h + 1] if self.lm_head.dim() == 3 else self.lm_head
+            ids, _ = self.fused_draft(s.reshape(-1, s.shape[-1]).contiguous(), self.res_weight[h:h + 1],
+                                      self.res_bias[h:h + 1], lm, k, token_map=self.token_map)   # [A * p, 1, k]
+            tokens[:, nodes] = ids.view(A, par.numel(), k)[:, slot, rank]
+        return tokens
 
 
 class OracleDrafter:

@@ -15,6 +15,14 @@ A Medusa head has to guess token t + 1 before it can guess t + 2; reading it rem
 head does by reading the shifted token (Li et al. 2024, https://arxiv.org/abs/2401.15077). The drafting kernel is
 unchanged: it is handed x' instead of x.
 
+Optionally (token inputs, Q > 0) head h also reads the last min(h, Q) tokens drafted on its own path, y_1 .. y_h
+(y_j: the node at depth j; y_0 is the root), through projections Q_q [D, D] shared by the heads, q = distance back:
+    s_h = x' + sum_{q < min(h, Q)} Q_q e(y_{h - q}),   z_h = s_h + silu(W_h s_h + b_h)      (Q_q = 0: the heads above)
+A Medusa head guesses t + h + 2 without knowing which t + 2 .. t + h + 1 it is continuing; with token inputs each
+tree node's children depend on the path to it, as in Hydra's sequentially dependent heads (Ankner et al. 2024,
+https://arxiv.org/abs/2402.05109). Drafting then runs depth by depth, one head per depth, over every parent at that
+depth (`drafters.HeadsDrafter.draft_tree`).
+
 Two optional extras travel with the heads:
   * a draft vocabulary token_map [V'] (strictly increasing token ids): drafting scores only those V' rows of
     the LM head and maps row r back to token token_map[r] (FR-Spec, Zhao et al. 2025,
@@ -24,7 +32,7 @@ Two optional extras travel with the heads:
 
 Files:
   ours    a folder with heads.safetensors (res_weight [H, D, D], res_bias [H, D]; optional lm_head [H, V, D],
-          token_map [V'] int64) and heads.json (num_heads, hidden_size, format, optional tree, free metadata);
+          token_map [V'] int64, root_proj [D, D], token_proj [Q, D, D]) and heads.json (num_heads, hidden_size, format, optional tree, free metadata);
   Medusa  medusa_lm_head.safetensors or medusa_lm_head.pt: the state dict of
           nn.ModuleList([nn.Sequential(ResBlock(D), nn.Linear(D, V, bias=False)) for each head]), i.e. keys
           {i}.0.linear.weight [D, D], {i}.0.linear.bias [D], {i}.1.weight [V, D] (ResBlock(x) = x + silu(Wx + b));
@@ -66,21 +74,28 @@ class MTPHeads(nn.Module):
     vocab_size: give the heads their own LM heads lm_head [H, V, D] (zero until loaded); None shares the model's.
     token_map: draft vocabulary [V'] (see module docstring). tree: Medusa-style choices, e.g. [(0,), (1,), (0, 0)].
     root_input: the heads also read the root token through root_proj [D, D] (zero until trained or loaded).
+    token_inputs: Q, how many drafted tokens of its path each head also reads, through token_proj [Q, D, D] (zero
+    until trained or loaded; 0: none, every head sees the same input).
     """
 
     def __init__(self, num_heads, hidden_size, dtype=torch.float32, device=None, *, vocab_size=None,
-                 token_map=None, tree=None, root_input=False):
+                 token_map=None, tree=None, root_input=False, token_inputs=0):
         super().__init__()
         if num_heads < 1 or hidden_size < 1:
             raise ValueError(f"MTPHeads: need num_heads >= 1 and hidden_size >= 1, got {num_heads}, {hidden_size}")
         if vocab_size is not None and vocab_size < 1:
             raise ValueError(f"MTPHeads: vocab_size must be >= 1 or None, got {vocab_size}")
+        if not 0 <= token_inputs < num_heads:
+            raise ValueError(f"MTPHeads: token_inputs must be in [0, num_heads) = [0, {num_heads}), got {token_inputs} "
+                             "(head h has only h drafted tokens before it)")
         self.res_weight = nn.Parameter(torch.zeros(num_heads, hidden_size, hidden_size, dtype=dtype, device=device))
         self.res_bias = nn.Parameter(torch.zeros(num_heads, hidden_size, dtype=dtype, device=device))
         self.register_parameter("lm_head", None if vocab_size is None else nn.Parameter(
             torch.zeros(num_heads, vocab_size, hidden_size, dtype=dtype, device=device)))
         self.register_parameter("root_proj", nn.Parameter(
             torch.zeros(hidden_size, hidden_size, dtype=dtype, device=device)) if root_input else None)
+        self.register_parameter("token_proj", nn.Parameter(
+            torch.zeros(token_inputs, hidden_size, hidden_size, dtype=dtype, device=device)) if token_inputs else None)
         self.register_buffer("_token_map", None)
         self.token_map = token_map
         self.tree = tree
@@ -127,6 +142,28 @@ class MTPHeads(nn.Module):
         """Do the heads read the root token (x' = x + P e_root)?"""
         return self.root_proj is not None
 
+    @property
+    def token_inputs(self):
+        """Q: how many drafted tokens of its path each head reads (0: none; the heads then draft in one call)."""
+        return 0 if self.token_proj is None else self.token_proj.shape[0]
+
+    def path_input(self, x, path_emb, h):
+        """s_h = x' + sum_{q < min(h, Q)} Q_q e(y_{h - q}): what head h's block reads (x' itself without token inputs).
+        x [..., D]: x' (`head_input`); path_emb [..., h, D] (or more): the input embeddings of the drafted tokens
+        y_1 .. y_h on the path (index j - 1 holds y_j)."""
+        Q = self.token_inputs
+        if Q == 0 or h == 0:
+            return x
+        if path_emb is None or path_emb.shape[-2] < h:
+            raise ValueError(f"path_input: head {h} reads the drafted tokens y_1 .. y_{h}; pass path_emb [..., {h}, D]")
+        for q in range(min(h, Q)):
+            x = x + path_emb[..., h - 1 - q, :].to(x.dtype) @ self.token_proj[q].to(x.dtype).T
+        return x
+
+    def block(self, s, h):
+        """z_h = s + silu(W_h s + b_h): head h's residual block on its input s [..., D]."""
+        return s + nn.functional.silu(s @ self.res_weight[h].to(s.dtype).T + self.res_bias[h].to(s.dtype))
+
     def head_input(self, x, root_emb=None):
         """x' = x + P e_root: what the residual blocks read (x itself for heads without root input).
         x [..., D]; root_emb [..., D], the model's input embedding of the root token (required with root input)."""
@@ -136,9 +173,12 @@ class MTPHeads(nn.Module):
             raise ValueError("these heads read the root token: pass root_emb, the embedding of the token at t + 1")
         return x + root_emb.to(x.dtype) @ self.root_proj.to(x.dtype).T
 
-    def forward(self, x, root_emb=None):
-        """x [..., D] (root_emb [..., D] for heads with root input) -> z [..., H, D] (the inputs of the LM head(s))."""
+    def forward(self, x, root_emb=None, path_emb=None):
+        """x [..., D] (root_emb [..., D] for heads with root input; path_emb [..., H - 1, D], the drafted tokens
+        y_1 .. y_{H-1} of one path, for heads with token inputs) -> z [..., H, D] (the inputs of the LM head(s))."""
         x = self.head_input(x, root_emb)
+        if self.token_inputs:
+            return torch.stack([self.block(self.path_input(x, path_emb, h), h) for h in range(self.num_heads)], -2)
         pre = torch.einsum("...d,hed->...he", x, self.res_weight) + self.res_bias
         return x.unsqueeze(-2) + nn.functional.silu(pre)
 
@@ -180,7 +220,7 @@ class MTPHeads(nn.Module):
             raise ValueError("MTPHeads.save: set heads.tree to store a tree, not a metadata key")
         os.makedirs(path, exist_ok=True)
         tensors = {"res_weight": self.res_weight, "res_bias": self.res_bias, "lm_head": self.lm_head,
-                   "token_map": self._token_map, "root_proj": self.root_proj}
+                   "token_map": self._token_map, "root_proj": self.root_proj, "token_proj": self.token_proj}
         save_file({k: t.detach().contiguous().cpu() for k, t in tensors.items() if t is not None},
                   os.path.join(path, HEADS_FILE))
         info = {"num_heads": self.num_heads, "hidden_size": self.hidden_size, "format": "mtp_triton.heads/1"}
@@ -188,6 +228,8 @@ class MTPHeads(nn.Module):
             info["vocab_size"] = self.vocab_size
         if self.root_proj is not None:
             info["root_input"] = True
+        if self.token_proj is not None:
+            info["token_inputs"] = self.token_inputs
         if self._token_map is not None:
             info["draft_vocab_size"] = int(self._token_map.numel())
         if self._tree is not None:
@@ -287,10 +329,10 @@ def load_heads(path, device=None, dtype=None):
         kind = "mtp" if "res_weight" in tensors else "medusa"
     if kind == "medusa":
         tensors = _medusa_tensors(tensors, file)
-    allowed = {"res_weight", "res_bias", "lm_head", "token_map", "root_proj"}
+    allowed = {"res_weight", "res_bias", "lm_head", "token_map", "root_proj", "token_proj"}
     if not {"res_weight", "res_bias"} <= set(tensors) <= allowed:
         raise ValueError(f"load_heads: {file} must hold res_weight and res_bias (optionally lm_head, token_map, "
-                         f"root_proj), found {sorted(tensors)}")
+                         f"root_proj, token_proj), found {sorted(tensors)}")
     w, b, lm = tensors["res_weight"], tensors["res_bias"], tensors.get("lm_head")
     if w.dim() != 3 or w.shape[1] != w.shape[2] or tuple(b.shape) != (w.shape[0], w.shape[1]):
         raise ValueError(f"load_heads: {file}: bad shapes res_weight {tuple(w.shape)}, res_bias {tuple(b.shape)}")
@@ -300,11 +342,18 @@ def load_heads(path, device=None, dtype=None):
     rp = tensors.get("root_proj")
     if rp is not None and tuple(rp.shape) != (D, D):
         raise ValueError(f"load_heads: {file}: bad shape root_proj {tuple(rp.shape)}, expected [{D}, {D}]")
+    tp = tensors.get("token_proj")
+    if tp is not None and (tp.dim() != 3 or tuple(tp.shape[1:]) != (D, D) or not 1 <= tp.shape[0] < H):
+        raise ValueError(f"load_heads: {file}: bad shape token_proj {tuple(tp.shape)}, expected [Q, {D}, {D}] with "
+                         f"1 <= Q < {H}")
     meta = _read_meta(os.path.dirname(file), H, D, file) if kind == "mtp" else {}
     if meta.get("root_input") and rp is None:
         raise ValueError(f"load_heads: {file}: heads.json says root_input but the file has no root_proj")
+    if meta.get("token_inputs", 0) != (0 if tp is None else tp.shape[0]):
+        raise ValueError(f"load_heads: {file}: heads.json says token_inputs {meta.get('token_inputs', 0)} but the "
+                         f"file has {'no token_proj' if tp is None else f'token_proj for {tp.shape[0]}'}")
     heads = MTPHeads(H, D, dtype=dtype or w.dtype, device=device, vocab_size=None if lm is None else lm.shape[1],
-                     root_input=rp is not None)
+                     root_input=rp is not None, token_inputs=0 if tp is None else tp.shape[0])
     heads.meta = dict(meta)
     try:
         heads.token_map = tensors.get("token_map")
@@ -318,6 +367,8 @@ def load_heads(path, device=None, dtype=None):
             heads.lm_head.copy_(lm)
         if rp is not None:
             heads.root_proj.copy_(rp)
+        if tp is not None:
+            heads.token_proj.copy_(tp)
     return heads.eval()
 
 

@@ -64,11 +64,13 @@ def topk_lower_id_first(x, k):
     """
     vals, ids = torch.topk(x, k, dim=-1)                       # tie order unspecified
     kth = vals[..., -1:]
-    if bool(((x == kth).sum(-1) != (vals == kth).sum(-1)).any()):
-        return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
     by_id = torch.argsort(ids, dim=-1)                         # order the selection by id ...
     ids, vals = ids.gather(-1, by_id), vals.gather(-1, by_id)
-    return ids.gather(-1, torch.sort(vals, dim=-1, descending=True, stable=True).indices)  # ... then by value
+    out = ids.gather(-1, torch.sort(vals, dim=-1, descending=True, stable=True).indices)  # ... then by value
+    straddle = (x == kth).sum(-1) != (vals == kth).sum(-1)     # [...]: rows whose k-th value has a left-out twin
+    if bool(straddle.any()):                                   # those rows (only) by the full stable sort
+        out[straddle] = torch.sort(x[straddle], dim=-1, descending=True, stable=True).indices[..., :k]
+    return out
 
 
 def tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask, sm_scale=None, *,

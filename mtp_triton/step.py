@@ -33,7 +33,11 @@ def draft(drafter, hidden, roots, tree, context=None):
 
     drafter.propose(hidden [A, D], top_k, context, num_heads, roots) -> ids [A, num_heads, K] (`drafters.HeadsDrafter`,
     or the synthetic `drafters.OracleDrafter`, which reads `context` = (batch indices, tokens emitted so far)
-    instead of hidden). Only the heads the tree reaches run: a depth-2 tree drafts with 2 heads, however many exist."""
+    instead of hidden). Only the heads the tree reaches run: a depth-2 tree drafts with 2 heads, however many exist.
+    A drafter with `sequential = True` (heads that read the drafted tokens of their path) drafts node by node
+    instead: drafter.draft_tree(hidden, roots, tree) -> [A, T]."""
+    if getattr(drafter, "sequential", False):
+        return drafter.draft_tree(hidden, roots, tree) if tree.size > 1 else roots[:, None].clone()
     tokens = roots[:, None].repeat(1, tree.size)                                    # [A, T]; node 0 = root
     if tree.size > 1:
         ids = drafter.propose(hidden, tree.top_k, context, num_heads=tree.max_depth, roots=roots)  # [A, depth, K]

@@ -51,18 +51,20 @@ def test_cache_targets_line_up(tiny):
     assert torch.allclose(cache["tgt_p"].float().sum(-1), torch.ones(n), atol=1e-2)
 
 
-@pytest.mark.parametrize("root_input", [False, True], ids=["medusa", "root-input"])
-def test_simulated_tau_matches_real_decoding(tiny, root_input):
-    # the simulation and the decoder must agree on what the heads read, the root token included
+@pytest.mark.parametrize("inputs", ["medusa", "root", "root+tokens"])
+def test_simulated_tau_matches_real_decoding(tiny, inputs):
+    # the simulation and the decoder must agree on what the heads read, the root token and the path included
     model, _, heads, rows = tiny
-    if root_input:
-        plain = heads
-        heads = mt.MTPHeads(plain.num_heads, plain.hidden_size, root_input=True)
+    if inputs != "medusa":
+        plain, D = heads, heads.hidden_size
+        g = torch.Generator().manual_seed(0)
+        heads = mt.MTPHeads(plain.num_heads, D, root_input=True, token_inputs=2 if inputs == "root+tokens" else 0)
         with torch.no_grad():
             heads.res_weight.copy_(plain.res_weight)
             heads.res_bias.copy_(plain.res_bias)
-            heads.root_proj.copy_(0.3 * torch.randn(plain.hidden_size, plain.hidden_size,
-                                                    generator=torch.Generator().manual_seed(0)) / plain.hidden_size ** 0.5)
+            heads.root_proj.copy_(0.3 * torch.randn(D, D, generator=g) / D ** 0.5)
+            if heads.token_inputs:
+                heads.token_proj.copy_(0.3 * torch.randn(2, D, D, generator=g) / D ** 0.5)
     heads.token_map = None
     tmap = torch.arange(model.config.vocab_size)
     cache = distill.build_cache(model, rows, tmap, top_k=1, num_heads=heads.num_heads)
@@ -91,9 +93,10 @@ def test_tiny_distill_run_end_to_end(tmp_path):
                  "--heldout-chat", str(prompts), "--work", str(tmp_path / "work"), "--out", str(out),
                  "--answers-by", "engine", "--num-heads", "3", "--vocab", "512", "--max-new-tokens", "24",
                  "--eval-new-tokens", "24", "--minutes", "0.05", "--batch", "64", "--threads", "1",
-                 "--budgets", "1,2,4"])
+                 "--budgets", "1,2,4", "--token-inputs", "2"])
     heads = mt.load_heads(str(out))
     assert heads.num_heads == 3 and heads.token_map.numel() <= 512 and heads.tree is not None
+    assert heads.token_inputs == 2 and heads.token_proj.abs().sum() > 0             # Q was trained
     assert info["steps"] > 0 and set(info["heldout"]) == {"templated", "chat"}
     assert info["cache"] == dict(fresh=True, rows_added=info["answers"])     # the card's vocabulary sentence reads it
     model = mt.load_model(TINY, device="cpu")
@@ -134,6 +137,30 @@ def test_root_projection_gradient_in_one_pass_equals_the_summed_loss():
         assert torch.allclose(got, p.grad, atol=1e-6), "P's gradient"
 
 
+def test_token_inputs_are_teacher_forced_and_get_gradients():
+    # head h at position i reads the answer's tokens i + 1 .. i + h (cache["root"]) as its path, nearest first
+    torch.manual_seed(0)
+    N, D, V, H, K = 60, 8, 30, 4, 3
+    cache = dict(x=torch.randn(N, D), root=torch.randint(0, V, (N,)), ok=torch.ones(N, H, dtype=torch.bool),
+                 tgt_idx=torch.randint(0, V, (N, K)).int(), tgt_p=torch.softmax(torch.randn(N, K), -1))
+    embed, sub = torch.randn(V, D), torch.randn(V, D).bfloat16()
+    heads = mt.MTPHeads(H, D, root_input=True, token_inputs=2)
+    with torch.no_grad():
+        heads.token_proj.normal_(0, 0.3)
+    i = torch.arange(N - H)
+    x = distill.head_inputs(heads, embed, cache, i, torch.float32)
+    for h in range(H):
+        want = x.clone()
+        for q in range(min(h, 2)):
+            want = want + embed[cache["root"][i + h - q]] @ heads.token_proj[q].T
+        assert torch.allclose(distill.path_inputs(heads, embed, cache, i, x, h), want, atol=1e-5)
+    heads.zero_grad()
+    loss = sum(distill.head_loss(heads, sub, cache, i, distill.path_inputs(heads, embed, cache, i, x, h), h)
+               for h in range(H))
+    loss.backward()
+    assert heads.token_proj.grad[0].abs().sum() > 0 and heads.token_proj.grad[1].abs().sum() > 0
+
+
 def test_extended_cache_equals_one_built_at_once(tiny):
     model, _, _, rows = tiny
     tmap = torch.arange(model.config.vocab_size)
@@ -156,3 +183,40 @@ def test_extended_cache_equals_one_built_at_once(tiny):
     bad["x"] = bad["x"][:-1]                            # no prefix of the answers has this many tokens
     with pytest.raises(ValueError, match="no prefix"):
         distill.extend_cache(model, bad, rows, num_heads=3)
+
+
+def test_simulated_tau_is_exact_for_a_bf16_engine_on_the_cpu(tmp_path):
+    # a bf16 engine on a CPU drafts with drafters.bf16_draft, the math head_ranks measures with: the simulated tau
+    # of a tree is the tokens per step a real greedy run takes (up to the last bits of the hidden states: the cache
+    # comes from one teacher-forced forward, decoding from tree steps)
+    from mtp_triton.drafters import HeadsDrafter, bf16_draft
+    from mtp_triton.ops import get_ops
+    model = mt.load_model(TINY, device="cpu", dtype=torch.bfloat16)
+    tok = mt.load_tokenizer(TINY)
+    assert HeadsDrafter(mt.load_heads(os.path.join(TINY, "heads")), model, get_ops("torch", "cpu")).fused_draft \
+        is bf16_draft
+    rows = [dict(id=f"p{i}", category="code", text=t) for i, t in enumerate(TEXTS)]
+    path = str(tmp_path / "answers.jsonl")
+    write_answers(model, tok, rows, path, max_new_tokens=40, sample_share=0.0, batch=8, progress=False)
+    rows = distill.read_answers(path)
+    plain, D = mt.load_heads(os.path.join(TINY, "heads")), model.config.hidden_size
+    g = torch.Generator().manual_seed(1)
+    heads = mt.MTPHeads(plain.num_heads, D, root_input=True, token_inputs=2, dtype=torch.bfloat16)
+    with torch.no_grad():
+        heads.res_weight.copy_(plain.res_weight)
+        heads.res_bias.copy_(plain.res_bias)
+        heads.root_proj.copy_(0.3 * torch.randn(D, D, generator=g) / D ** 0.5)
+        heads.token_proj.copy_(0.3 * torch.randn(2, D, D, generator=g) / D ** 0.5)
+    heads.token_map = torch.arange(model.config.vocab_size)
+    cache = distill.build_cache(model, rows, heads.token_map, top_k=1, num_heads=heads.num_heads)
+    ranks = distill.head_ranks(heads, model, cache)
+    for name in ("chain-3", "medusa-16"):
+        tree = mt.get_tree(name, heads.num_heads)
+        emitted = steps = 0
+        for r in rows:
+            res = mt.generate(model, [r["prompt_ids"]], len(r["answer_ids"]), heads=heads, tree=tree)
+            assert res.tokens[0] == r["answer_ids"]
+            emitted += res.stats.new_tokens - 1
+            steps += sum(res.stats.accept_len_histogram)
+        assert distill.simulate_tau(ranks, distill.lengths_of(rows), tree) == pytest.approx(emitted / steps,
+                                                                                            rel=0.03), name

@@ -419,3 +419,119 @@ def test_root_input_heads_draft_from_the_root_and_decode_losslessly(medusa_case)
         drafter.propose(hidden, 4)
     for tree in ("chain-2", "medusa-16"):
         assert mt.generate(model, prompts, 24, heads=heads, tree=tree).tokens == ref
+
+
+# ---- heads that read the drafted tokens of their path: s_h = x' + sum_q Q_q e(y_{h-q}) ------------------------
+def token_heads(H, D, Q, seed=0, root=True, scale=1.0):
+    heads = MTPHeads(H, D, root_input=root, token_inputs=Q)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        heads.res_weight.copy_(torch.randn(H, D, D, generator=g) / D ** 0.5)
+        heads.res_bias.copy_(0.1 * torch.randn(H, D, generator=g))
+        if root:
+            heads.root_proj.copy_(torch.randn(D, D, generator=g) / D)
+        heads.token_proj.copy_(scale * torch.randn(Q, D, D, generator=g) / D ** 0.5)
+    return heads.eval()
+
+
+def test_token_input_forward_math():
+    H, D, Q = 4, 20, 2
+    heads = token_heads(H, D, Q, seed=5)
+    x, e, path = torch.randn(3, D), torch.randn(3, D), torch.randn(3, H - 1, D)
+    P, W, b, Qp = (t.detach().double() for t in (heads.root_proj, heads.res_weight, heads.res_bias, heads.token_proj))
+    xp = x.double() + e.double() @ P.T
+    z = heads(x, e, path)
+    for h in range(H):
+        s = xp.clone()
+        for q in range(min(h, Q)):                           # y_{h-q}: path index h - q - 1
+            s = s + path[:, h - q - 1].double() @ Qp[q].T
+        assert_close(z[:, h], s + torch.nn.functional.silu(s @ W[h].T + b[h]), atol=1e-5, rtol=1e-5, what=f"head {h}")
+    with pytest.raises(ValueError, match="path_emb"):
+        heads(x, e)
+    with pytest.raises(ValueError, match="token_inputs"):
+        MTPHeads(3, 8, token_inputs=3)                       # head 2 has only 2 drafted tokens before it
+
+
+def test_token_input_round_trip_and_bad_files(tmp_path):
+    heads = token_heads(3, 12, 2, seed=1)
+    heads.save(str(tmp_path / "h"))
+    back = load_heads(str(tmp_path / "h"))
+    assert back.token_inputs == 2 and torch.equal(back.token_proj, heads.token_proj) and back.root_input
+    assert json.loads((tmp_path / "h" / "heads.json").read_text())["token_inputs"] == 2
+    meta = json.loads((tmp_path / "h" / "heads.json").read_text())
+    meta["token_inputs"] = 1                                  # the metadata disagrees with the tensor
+    (tmp_path / "h" / "heads.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="token_inputs"):
+        load_heads(str(tmp_path / "h"))
+    save_file({"res_weight": torch.zeros(2, 12, 12), "res_bias": torch.zeros(2, 12), "token_proj": torch.zeros(2, 12, 12)},
+              str(tmp_path / "heads.safetensors"))           # Q = 2 with 2 heads: head 1 has one drafted token
+    with pytest.raises(ValueError, match="token_proj"):
+        load_heads(str(tmp_path / "heads.safetensors"))
+
+
+def naive_tree_draft(heads, model, hidden, roots, tree):
+    """Node by node, in float64-free plain torch: each child's token from its parent's path, through heads.forward."""
+    import mtp_triton as mt
+    dt = model.dtype
+    lm, tm = heads.draft_weights(model.lm_head.weight)
+    E = model.embed_tokens.weight
+    tokens = roots[:, None].repeat(1, tree.size)
+    for i in range(1, tree.size):
+        p, d, r = int(tree.parents[i]), int(tree.depth[i]), int(tree.rank[i])
+        chain, a = [], p
+        while a > 0:                                         # the path's nodes y_1 .. y_{d-1}
+            chain.append(a)
+            a = int(tree.parents[a])
+        chain = chain[::-1]
+        for b in range(roots.shape[0]):
+            x = hidden[b] + E[roots[b]] @ heads.root_proj.detach().to(dt).T
+            s = x
+            for q in range(min(d - 1, heads.token_inputs)):
+                s = s + E[tokens[b, chain[d - 2 - q]]] @ heads.token_proj[q].detach().to(dt).T
+            ids, _ = mt.reference.fused_draft(s[None], heads.res_weight[d - 1:d].detach().to(dt),
+                                              heads.res_bias[d - 1:d].detach().to(dt), lm, r + 1, token_map=tm)
+            tokens[b, i] = ids[0, 0, r]
+    return tokens
+
+
+@pytest.mark.parametrize("tree", ["chain-4", "medusa-16", [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (1, 0, 2)]])
+def test_token_input_heads_draft_per_node_and_decode_losslessly(medusa_case, tree):
+    import mtp_triton as mt
+    from mtp_triton.drafters import HeadsDrafter
+    from mtp_triton.ops import get_ops
+    from mtp_triton.tree import get_tree
+    model, _, prompts, ref = medusa_case
+    D = model.config.hidden_size
+    heads = token_heads(4, D, 2, seed=3, scale=30.0)         # strong enough that the path changes the drafts
+    heads.token_map = torch.arange(0, model.config.vocab_size, 2)   # and through a draft vocabulary
+    drafter = HeadsDrafter(heads, model, get_ops("torch", model.device))
+    assert drafter.sequential
+    t = get_tree(tree)
+    hidden = torch.randn(3, D, generator=torch.Generator().manual_seed(0)).to(model.dtype)
+    roots = torch.tensor([1, 50, 99])
+    got = drafter.draft_tree(hidden, roots, t)
+    assert torch.equal(got, naive_tree_draft(heads, model, hidden, roots, t))
+    if t.max_depth > 1:                                       # siblings' children differ: the path matters
+        flat = token_heads(4, D, 2, seed=3, scale=0.0)       # the same heads, blind to the path
+        flat.token_map = heads.token_map
+        assert not torch.equal(got, HeadsDrafter(flat, model, get_ops("torch", model.device)).draft_tree(hidden, roots, t))
+    with pytest.raises(ValueError, match="draft_tree"):
+        drafter.propose(hidden, 4, roots=roots)
+    assert mt.generate(model, prompts, 24, heads=heads, tree=tree).tokens == ref
+
+
+def test_token_input_tree_draft_with_the_triton_kernel_equals_its_twin(tiny_model):
+    # the same per-depth calls through the Triton fused_draft (the interpreter on a CPU) and through the PyTorch twin
+    import mtp_triton as mt
+    from mtp_triton.drafters import HeadsDrafter
+    from mtp_triton.ops import get_ops
+    model = mt.LlamaEngine.from_hf(tiny_model.float())
+    D, V = model.config.hidden_size, model.config.vocab_size
+    heads = token_heads(3, D, 2, seed=7, scale=10.0)
+    heads.token_map = torch.arange(1, V, 3)                  # an odd-sized draft vocabulary
+    tree = mt.Tree.from_choices([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 1, 1)])
+    hidden = torch.randn(2, D, generator=torch.Generator().manual_seed(1)).to(model.dtype)
+    roots = torch.tensor([3, V - 1])
+    got = HeadsDrafter(heads, model, get_ops("triton", model.device)).draft_tree(hidden, roots, tree)
+    want = HeadsDrafter(heads, model, get_ops("torch", model.device)).draft_tree(hidden, roots, tree)
+    assert torch.equal(got, want)

@@ -273,6 +273,12 @@ def test_smollm2_greedy_matches_transformers(smol):
     heads = mt.init_heads(model, num_heads=4, seed=0)
     for tree in ("chain-4", "medusa-16"):
         assert mt.generate(model, prompts, 16, heads=heads, tree=tree).tokens == ref, tree
+    shipped = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
+                           "smollm2-135m-instruct-heads")
+    if os.path.exists(os.path.join(shipped, "heads.safetensors")):       # the shipped heads and their own tree
+        heads = mt.load_heads(shipped)
+        res = mt.generate(model, prompts, 16, heads=heads)
+        assert res.tokens == ref and res.stats.tree_size == len(heads.tree) + 1
 
 
 def test_smollm2_writes_its_own_prompts(smol, tmp_path):

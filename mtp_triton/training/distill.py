@@ -13,8 +13,11 @@
 4. train    head h at position t learns the base's distribution at t + h + 1 (which predicts token t + h + 2):
                 L_h = - sum_k p_base(k | x_{t+h+1}) log softmax(lm_head_V'(z_h(x'_t)))_k,   z_h = x' + silu(W_h x' + b_h)
             with x' = x + P e_root (the root, token t + 1, is the answer's own next token; `--no-root-input`: x' = x);
-            the base never changes, so training touches only the cache; W_h and P start at 0 (each head starts as
-            the LM head, as in Medusa, Cai et al. 2024)
+            with `--token-inputs Q` head h reads s_h = x' + sum_{q < min(h, Q)} Q_q e(answer token t + 1 + h - q)
+            instead of x' (teacher forcing: at decode time those are the drafted tokens of the node's path, and on
+            the path that gets accepted they are the answer's own tokens); the base never changes, so training
+            touches only the cache; W_h, P and Q_q start at 0 (each head starts as the LM head, as in Medusa, Cai
+            et al. 2024)
 5. measure  on held-out answers: per-head top-k accuracy against the base's greedy token and the exact greedy tau of
             any tree (`simulate_tau`: greedy MTP emits the serial tokens, so replaying the serial answer with the
             heads' top-k at each accepted position gives the tokens per step a real run would have)
@@ -30,6 +33,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from ..drafters import bf16_draft
 from ..generate import causal_chains
 from ..heads import MTPHeads
 from ..tree import Tree
@@ -168,6 +172,16 @@ def head_inputs(heads, embed, cache, i, dtype):
     return heads.head_input(x, embed[cache["root"][i]].to(dtype) if heads.root_input else None)
 
 
+def path_inputs(heads, embed, cache, i, x, h):
+    """s_h at positions i: x' plus head h's token inputs, teacher-forced (the drafted token at depth j of the path
+    that would be accepted is the answer's token t + 1 + j, cache["root"][i + j]); x [len(i), D] = x' there."""
+    if not heads.token_inputs or h == 0:
+        return x
+    N = cache["root"].shape[0]
+    path = torch.stack([embed[cache["root"][(i + j).clamp(max=N - 1)]] for j in range(1, h + 1)], -2)  # [n, h, D]
+    return heads.path_input(x, path.to(x.dtype), h)            # (positions past an answer's end have no target)
+
+
 def head_loss(heads, sub, cache, i, x, h):
     """Soft cross-entropy of head h at positions i against the base's distribution at i + h + 1 (same answer);
     x [len(i), D]: the heads' inputs x' at those positions (`head_inputs`)."""
@@ -205,7 +219,9 @@ def train(heads, model, cache, minutes, steps=100000, batch=512, lr=2e-3, seed=0
         x = xp.detach().requires_grad_(heads.root_input)            # the heads' gradients w.r.t. x' meet here
         out = {}
         for h in range(heads.num_heads):
-            loss = head_loss(heads, sub, cache, i, x, h)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                s = path_inputs(heads, embed, cache, i, x, h)            # + Q_q e(y_{h-q}) (token inputs)   [batch, D]
+            loss = head_loss(heads, sub, cache, i, s, h)
             if loss is not None:
                 (loss / heads.num_heads).backward()              # one head's [M, V'] logits alive at a time
                 out[f"loss_head{h}"] = loss.item()
@@ -224,7 +240,8 @@ def train(heads, model, cache, minutes, steps=100000, batch=512, lr=2e-3, seed=0
 @torch.no_grad()
 def head_ranks(heads, model, cache, K=8, batch=4096):
     """ranks [N, H]: the rank of the base's greedy token t + h + 2 among head h's top-K at t (K = not found;
-    -1 = no target), scoring the draft vocabulary as decoding does."""
+    -1 = no target), scoring the draft vocabulary as a bf16 engine on a CPU drafts (`drafters.bf16_draft`). Heads with token inputs read the answer's own
+    tokens t + 2 .. t + h + 1 as the path: exactly what they read at the node a greedy step would accept next."""
     sub = model.lm_head.weight.detach()[cache["token_map"]].to(torch.bfloat16)
     tmap = cache["token_map"]
     N, H = cache["x"].shape[0], heads.num_heads
@@ -232,10 +249,11 @@ def head_ranks(heads, model, cache, K=8, batch=4096):
     w, b = heads.res_weight.detach().to(torch.bfloat16), heads.res_bias.detach().to(torch.bfloat16)
     embed = model.embed_tokens.weight.detach()
     for s in range(0, N, batch):
-        x = head_inputs(heads, embed, cache, torch.arange(s, min(s + batch, N)), torch.bfloat16)
+        pos = torch.arange(s, min(s + batch, N))
+        x = head_inputs(heads, embed, cache, pos, torch.bfloat16)
         for h in range(H):
-            z = x + F.silu(x @ w[h].T + b[h])
-            top = tmap[(z @ sub.T).float().topk(K, dim=-1).indices]                # [n, K] token ids
+            xh = path_inputs(heads, embed, cache, pos, x, h)
+            top = bf16_draft(xh, w[h:h + 1], b[h:h + 1], sub, K, token_map=tmap)[0][:, 0]   # [n, K] token ids
             t = torch.arange(s, s + x.shape[0]) + h + 1
             valid = cache["ok"][s:s + x.shape[0], h]
             want = cache["greedy"][t.clamp(max=N - 1)]
@@ -287,9 +305,9 @@ def lengths_of(rows):
     return [len(r["answer_ids"]) for r in rows]
 
 
-def new_heads(model, num_heads, token_map, root_input=True):
-    heads = MTPHeads(num_heads, model.config.hidden_size, dtype=torch.float32,   # W_h = 0, P = 0: each head = the
-                     root_input=root_input)                                       # LM head
+def new_heads(model, num_heads, token_map, root_input=True, token_inputs=0):
+    heads = MTPHeads(num_heads, model.config.hidden_size, dtype=torch.float32,   # W_h = 0, P = 0, Q = 0: each head
+                     root_input=root_input, token_inputs=token_inputs)            # = the LM head
     heads.token_map = token_map
     return heads
 
@@ -336,7 +354,7 @@ def run(args):
         torch.save(cache, cache_file)
         cache_origin = dict(fresh=True, rows_added=len(rows))
     t_cache = time.time() - t0 - t_prompts - t_answers
-    heads = new_heads(model, args.num_heads, token_map, args.root_input)
+    heads = new_heads(model, args.num_heads, token_map, args.root_input, args.token_inputs)
     steps, train_s = train(heads, model, cache, args.minutes, steps=args.steps, batch=args.batch, lr=args.lr,
                            seed=args.seed,
                            checkpoint=os.path.join(args.work, "heads-ckpt.pt"), out_dir=records)
@@ -356,7 +374,8 @@ def run(args):
     ev = {name: measure.evaluate_heads(model, heads, r, trees) for name, r in held.items()}
     acc = ev["templated"]["all"]["acc"]
     budgets = tuple(int(b) for b in args.budgets.split(","))
-    tree, table = measure.choose_tree(model, heads, held["templated"], budgets=budgets, acc=acc)
+    tree, table = measure.choose_tree(model, heads, held["templated"], budgets=budgets, acc=acc,
+                                      min_speedup=args.min_speedup)
     for name in ev:                             # the chosen tree's tau on every held-out set and category
         for cat, e in ev[name].items():
             part = held[name] if cat == "all" else [r for r in held[name] if r.get("category") == cat]
@@ -404,6 +423,8 @@ def add_arguments(sp):
     sp.add_argument("--num-heads", type=int, default=8, help="8: enough for the MTP-8 row of the depth sweep")
     sp.add_argument("--root-input", action=argparse.BooleanOptionalAction, default=True,
                     help="the heads also read the root token (x' = x + P e_root); --no-root-input: Medusa's heads")
+    sp.add_argument("--token-inputs", type=int, default=0,
+                    help="Q: head h also reads the last min(h, Q) drafted tokens of its path (Hydra-style; 0: none)")
     sp.add_argument("--vocab", type=int, default=8192, help="draft vocabulary size")
     sp.add_argument("--top-k", type=int, default=16, help="soft targets kept per position")
     sp.add_argument("--max-new-tokens", type=int, default=256)
@@ -411,7 +432,7 @@ def add_arguments(sp):
     sp.add_argument("--sample-share", type=float, default=0.4)
     sp.add_argument("--self-prompts", type=int, default=0,
                     help="also answer this many prompts the model writes itself (Magpie-style, self_prompts.py; needs a chat "
-                         "template; the shipped SmolLM2 heads used 1200)")
+                         "template; the shipped SmolLM2 heads used 2400)")
     sp.add_argument("--gen-batch", type=int, default=32)
     sp.add_argument("--minutes", type=float, default=30.0, help="training time budget")
     sp.add_argument("--steps", type=int, default=6000, help="training step budget (whichever ends first)")
@@ -420,3 +441,5 @@ def add_arguments(sp):
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--threads", type=int, default=2)
     sp.add_argument("--budgets", default="1,2,3,4,6,8,12,16,24,32", help="tree sizes (drafts) to choose from")
+    sp.add_argument("--min-speedup", type=float, default=None,
+                    help="ship the most accepting tree predicted at least this fast (default: the fastest predicted)")

@@ -20,8 +20,8 @@ def final_hidden(model, ids):
 def head_z(heads, x, h):
     """z_h = x + silu(W_h x + b_h) for one head (x [..., D] -> [..., D]); `heads(x)[..., h, :]` without the rest.
     Heads that read the root token need it too: they are measured by `distill` (`measure.evaluate_heads`)."""
-    if getattr(heads, "root_input", False):
-        raise ValueError("these heads read the root token (x' = x + P e_root); this measurement feeds them x only — "
+    if getattr(heads, "root_input", False) or getattr(heads, "token_inputs", 0):
+        raise ValueError("these heads read the root token or their path; this measurement feeds them x only — "
                          "use `train_heads distill`'s held-out measurement (mtp_triton.training.measure)")
     return x + F.silu(x @ heads.res_weight[h].T + heads.res_bias[h])
 

@@ -3,10 +3,14 @@ repeats; every number recorded with what it was measured on.)
 
 - `evaluate_heads`: per-head top-k accuracy against the base's greedy token and the exact simulated greedy tau of a
   set of trees, per category, on held-out greedy answers (see `distill.simulate_tau`).
+- `tree_from_ranks`: the tree of N nodes that accepts the most on held-out answers (the N rank paths the true
+  continuation follows most often; Medusa's sparse trees are built from measured accuracies the same way, without
+  assuming the heads independent, which heads that read their path are not).
 - `choose_tree`: predicted speedup of each candidate tree = tau x (serial step) / (tree step + drafting), with the
   step costs measured on this machine (median of `reps`), so the choice never promises more than the measured costs
   allow; the demo later prints this prediction beside the measured speedup.
 """
+import collections
 import statistics
 import time
 
@@ -14,6 +18,7 @@ import torch
 
 from ..drafters import HeadsDrafter
 from ..ops import get_ops
+from ..step import draft
 from ..tree import Tree
 from ..tuning import step_cost
 from . import distill
@@ -37,37 +42,62 @@ def evaluate_heads(model, heads, rows, trees, K=8):
     return out
 
 
-def drafting_cost(model, heads, top_k, reps=7, num_heads=None):
-    """Median seconds of one drafting call (the first num_heads heads, the draft vocabulary) at batch 1, torch path."""
+def tree_from_ranks(ranks, budget, K=8):
+    """The `budget`-node tree with the largest simulated greedy acceptance on these ranks [N, H] (`head_ranks`).
+
+    A node (r_1 .. r_d) is accepted at a position iff the true tokens there have ranks r_1 .. r_d, so a tree
+    accepts, summed over positions, the count of each of its nodes' paths; a child's count never exceeds its
+    parent's, so the `budget` most frequent paths (ties: shorter first) form the best prefix-closed tree."""
+    counts = collections.Counter()
+    for row in ranks.tolist():
+        path = ()
+        for r in row:
+            if not 0 <= r < K:
+                break
+            path += (r,)
+            counts[path] += 1
+    best = sorted(counts, key=lambda p: (-counts[p], len(p), p))[:budget]
+    return Tree.from_choices(best)
+
+
+def drafting_cost(model, heads, tree, reps=7):
+    """Median seconds of drafting `tree` at batch 1 (the heads it reaches, the draft vocabulary), torch path."""
     d = HeadsDrafter(heads, model, get_ops("torch", model.device))
     h = torch.randn(1, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(model.dtype)
     root = torch.zeros(1, dtype=torch.int64, device=model.device)
-    d.propose(h, top_k, num_heads=num_heads, roots=root)
+    tree = tree.to(model.device)
+    draft(d, h, root, tree)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        d.propose(h, top_k, num_heads=num_heads, roots=root)
+        draft(d, h, root, tree)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
-def choose_tree(model, heads, rows, budgets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32), acc=None, reps=7, context=300):
-    """(best tree, table): candidate trees from the held-out accuracies, each with its simulated tau, measured step
-    cost ratio and predicted speedup on this machine (batch 1)."""
+def choose_tree(model, heads, rows, budgets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32), acc=None, reps=7, context=300,
+                min_speedup=None):
+    """(best tree, table): candidate trees from the held-out ranks (`tree_from_ranks`), each with its simulated tau,
+    measured step cost ratio and predicted speedup on this machine (batch 1). Best = the fastest predicted; with
+    `min_speedup`, the one that accepts the most (highest τ) among those predicted at least that fast (the fastest
+    if none is). `acc` is kept for callers that pass it; the trees are built from the ranks themselves."""
     rows = [r for r in rows if r["mode"] == "greedy"]
     cache = distill.build_cache(model, rows, heads.token_map, top_k=1, num_heads=heads.num_heads)
     ranks = distill.head_ranks(heads, model, cache)
     lengths = distill.lengths_of(rows)
-    acc = distill.accuracy(ranks) if acc is None else torch.as_tensor(acc)
-    trees = [Tree.root_only()] + [Tree.from_accuracies(acc, b) for b in budgets]
+    trees = [Tree.root_only()] + [tree_from_ranks(ranks, b) for b in budgets]
     costs = step_cost(model, trees, batch=1, context=context, kernels="torch", reps=reps)
     table = []
     for b, tree, c in zip(budgets, trees[1:], costs[1:]):
-        draft = drafting_cost(model, heads, tree.top_k, reps, num_heads=tree.max_depth)
+        draft_s = drafting_cost(model, heads, tree, reps)
         tau = distill.simulate_tau(ranks, lengths, tree)
-        ratio = (c + draft) / costs[0]
+        ratio = (c + draft_s) / costs[0]
         table.append(dict(budget=b, nodes=tree.size, depth=tree.max_depth, tau_simulated=tau,
-                          step_ms=1e3 * c, draft_ms=1e3 * draft, serial_step_ms=1e3 * costs[0], cost_ratio=ratio,
+                          step_ms=1e3 * c, draft_ms=1e3 * draft_s, serial_step_ms=1e3 * costs[0], cost_ratio=ratio,
                           predicted_speedup=tau / ratio, choices=[list(p) for p in tree.paths[1:]]))
     best = max(table, key=lambda r: r["predicted_speedup"])
+    if min_speedup is not None:                # the most accepting tree still predicted at least this fast
+        fast = [r for r in table if r["predicted_speedup"] >= min_speedup]
+        if fast:
+            best = max(fast, key=lambda r: (r["tau_simulated"], r["predicted_speedup"]))
     return Tree.from_choices(best["choices"]), table
