@@ -31,8 +31,11 @@ def git_commit():
         here = os.path.dirname(os.path.abspath(__file__))
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
                              timeout=5)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=5).stdout.strip()
+        # dirty = tracked files differ from the commit, recorded results aside (a run that appends rows to
+        # results/ before it stamps its next suite must not mark itself dirty)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ":/",
+                                ":(exclude,top)results"], cwd=here, capture_output=True, text=True,
+                               timeout=5).stdout.strip()
         return (out.stdout.strip() or "unknown") + ("-dirty" if dirty else "")
     except Exception:
         return "unknown"
