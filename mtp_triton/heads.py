@@ -147,17 +147,15 @@ class MTPHeads(nn.Module):
         """Q: how many drafted tokens of its path each head reads (0: none; the heads then draft in one call)."""
         return 0 if self.token_proj is None else self.token_proj.shape[0]
 
-    def path_input(self, x, path_emb, h):
+    def path_input(self, x, recent_emb):
         """s_h = x' + sum_{q < min(h, Q)} Q_q e(y_{h - q}): what head h's block reads (x' itself without token inputs).
-        x [..., D]: x' (`head_input`); path_emb [..., h, D] (or more): the input embeddings of the drafted tokens
-        y_1 .. y_h on the path (index j - 1 holds y_j)."""
-        Q = self.token_inputs
-        if Q == 0 or h == 0:
+        x [..., D]: x' (`head_input`); recent_emb [..., n, D]: the input embeddings of the tokens drafted on the path,
+        nearest first (index q holds y_{h - q}); head h passes min(h, Q) or more (only the first Q are read; None or
+        n = 0 for head 0)."""
+        if self.token_proj is None or recent_emb is None:
             return x
-        if path_emb is None or path_emb.shape[-2] < h:
-            raise ValueError(f"path_input: head {h} reads the drafted tokens y_1 .. y_{h}; pass path_emb [..., {h}, D]")
-        for q in range(min(h, Q)):
-            x = x + path_emb[..., h - 1 - q, :].to(x.dtype) @ self.token_proj[q].to(x.dtype).T
+        for q in range(min(self.token_inputs, recent_emb.shape[-2])):
+            x = x + recent_emb[..., q, :].to(x.dtype) @ self.token_proj[q].to(x.dtype).T
         return x
 
     def block(self, s, h):
@@ -178,7 +176,11 @@ class MTPHeads(nn.Module):
         y_1 .. y_{H-1} of one path, for heads with token inputs) -> z [..., H, D] (the inputs of the LM head(s))."""
         x = self.head_input(x, root_emb)
         if self.token_inputs:
-            return torch.stack([self.block(self.path_input(x, path_emb, h), h) for h in range(self.num_heads)], -2)
+            if path_emb is None or path_emb.shape[-2] < self.num_heads - 1:
+                raise ValueError(f"these heads read the tokens drafted on their path: pass path_emb [..., "
+                                 f"{self.num_heads - 1}, D], the embeddings of y_1 .. y_{self.num_heads - 1}")
+            return torch.stack([self.block(self.path_input(x, path_emb[..., :h, :].flip(-2)), h)   # y_h, y_{h-1}, ..
+                                for h in range(self.num_heads)], -2)
         pre = torch.einsum("...d,hed->...he", x, self.res_weight) + self.res_bias
         return x.unsqueeze(-2) + nn.functional.silu(pre)
 

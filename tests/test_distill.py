@@ -27,6 +27,30 @@ def tiny(tmp_path_factory):
     return model, tok, heads, distill.read_answers(path)
 
 
+def reading_heads(plain, root=True, token_inputs=0, seed=0, dtype=torch.float32):
+    """`plain`'s residual blocks, plus random root (and path) projections strong enough to change the drafts."""
+    D, g = plain.hidden_size, torch.Generator().manual_seed(seed)
+    heads = mt.MTPHeads(plain.num_heads, D, root_input=root, token_inputs=token_inputs, dtype=dtype)
+    with torch.no_grad():
+        heads.res_weight.copy_(plain.res_weight)
+        heads.res_bias.copy_(plain.res_bias)
+        heads.root_proj.copy_(0.3 * torch.randn(D, D, generator=g) / D ** 0.5)
+        if token_inputs:
+            heads.token_proj.copy_(0.3 * torch.randn(token_inputs, D, D, generator=g) / D ** 0.5)
+    return heads
+
+
+def decoded_tau(model, heads, rows, tree):
+    """Tokens per step of real greedy MTP runs over the answer rows (each must reproduce its answer exactly)."""
+    emitted = steps = 0
+    for r in rows:
+        res = mt.generate(model, [r["prompt_ids"]], len(r["answer_ids"]), heads=heads, tree=tree)
+        assert res.tokens[0] == r["answer_ids"]
+        emitted += res.stats.new_tokens - 1
+        steps += sum(res.stats.accept_len_histogram)
+    return emitted / steps
+
+
 def test_draft_vocab_is_the_most_frequent_tokens_increasing():
     rows = [dict(answer_ids=[5, 5, 5, 7, 7, 9, 11]), dict(answer_ids=[7, 3])]
     assert distill.draft_vocab(rows, 2).tolist() == [5, 7]
@@ -56,15 +80,7 @@ def test_simulated_tau_matches_real_decoding(tiny, inputs):
     # the simulation and the decoder must agree on what the heads read, the root token and the path included
     model, _, heads, rows = tiny
     if inputs != "medusa":
-        plain, D = heads, heads.hidden_size
-        g = torch.Generator().manual_seed(0)
-        heads = mt.MTPHeads(plain.num_heads, D, root_input=True, token_inputs=2 if inputs == "root+tokens" else 0)
-        with torch.no_grad():
-            heads.res_weight.copy_(plain.res_weight)
-            heads.res_bias.copy_(plain.res_bias)
-            heads.root_proj.copy_(0.3 * torch.randn(D, D, generator=g) / D ** 0.5)
-            if heads.token_inputs:
-                heads.token_proj.copy_(0.3 * torch.randn(2, D, D, generator=g) / D ** 0.5)
+        heads = reading_heads(heads, token_inputs=2 if inputs == "root+tokens" else 0)
     heads.token_map = None
     tmap = torch.arange(model.config.vocab_size)
     cache = distill.build_cache(model, rows, tmap, top_k=1, num_heads=heads.num_heads)
@@ -74,13 +90,7 @@ def test_simulated_tau_matches_real_decoding(tiny, inputs):
     for name in ("chain-2", "medusa-16"):
         tree = mt.get_tree(name, heads.num_heads)
         sim = distill.simulate_tau(ranks, distill.lengths_of(rows), tree)
-        emitted = steps = 0
-        for r in rows:
-            res = mt.generate(model, [r["prompt_ids"]], len(r["answer_ids"]), heads=heads, tree=tree)
-            assert res.tokens[0] == r["answer_ids"]
-            emitted += res.stats.new_tokens - 1
-            steps += sum(res.stats.accept_len_histogram)
-        assert sim == pytest.approx(emitted / steps, rel=0.03), name
+        assert sim == pytest.approx(decoded_tau(model, heads, rows, tree), rel=0.03), name
 
 
 def test_tiny_distill_run_end_to_end(tmp_path):
@@ -199,24 +209,11 @@ def test_simulated_tau_is_exact_for_a_bf16_engine_on_the_cpu(tmp_path):
     path = str(tmp_path / "answers.jsonl")
     write_answers(model, tok, rows, path, max_new_tokens=40, sample_share=0.0, batch=8, progress=False)
     rows = distill.read_answers(path)
-    plain, D = mt.load_heads(os.path.join(TINY, "heads")), model.config.hidden_size
-    g = torch.Generator().manual_seed(1)
-    heads = mt.MTPHeads(plain.num_heads, D, root_input=True, token_inputs=2, dtype=torch.bfloat16)
-    with torch.no_grad():
-        heads.res_weight.copy_(plain.res_weight)
-        heads.res_bias.copy_(plain.res_bias)
-        heads.root_proj.copy_(0.3 * torch.randn(D, D, generator=g) / D ** 0.5)
-        heads.token_proj.copy_(0.3 * torch.randn(2, D, D, generator=g) / D ** 0.5)
+    heads = reading_heads(mt.load_heads(os.path.join(TINY, "heads")), token_inputs=2, seed=1, dtype=torch.bfloat16)
     heads.token_map = torch.arange(model.config.vocab_size)
     cache = distill.build_cache(model, rows, heads.token_map, top_k=1, num_heads=heads.num_heads)
     ranks = distill.head_ranks(heads, model, cache)
     for name in ("chain-3", "medusa-16"):
         tree = mt.get_tree(name, heads.num_heads)
-        emitted = steps = 0
-        for r in rows:
-            res = mt.generate(model, [r["prompt_ids"]], len(r["answer_ids"]), heads=heads, tree=tree)
-            assert res.tokens[0] == r["answer_ids"]
-            emitted += res.stats.new_tokens - 1
-            steps += sum(res.stats.accept_len_histogram)
-        assert distill.simulate_tau(ranks, distill.lengths_of(rows), tree) == pytest.approx(emitted / steps,
-                                                                                            rel=0.03), name
+        assert distill.simulate_tau(ranks, distill.lengths_of(rows), tree) == pytest.approx(
+            decoded_tau(model, heads, rows, tree), rel=0.03), name

@@ -174,12 +174,14 @@ def head_inputs(heads, embed, cache, i, dtype):
 
 def path_inputs(heads, embed, cache, i, x, h):
     """s_h at positions i: x' plus head h's token inputs, teacher-forced (the drafted token at depth j of the path
-    that would be accepted is the answer's token t + 1 + j, cache["root"][i + j]); x [len(i), D] = x' there."""
-    if not heads.token_inputs or h == 0:
+    that would be accepted is the answer's token t + 1 + j, cache["root"][i + j]); x [len(i), D] = x' there. Only the
+    min(h, Q) tokens the head reads are gathered, nearest first."""
+    n = min(h, heads.token_inputs)
+    if n == 0:
         return x
     N = cache["root"].shape[0]
-    path = torch.stack([embed[cache["root"][(i + j).clamp(max=N - 1)]] for j in range(1, h + 1)], -2)  # [n, h, D]
-    return heads.path_input(x, path.to(x.dtype), h)            # (positions past an answer's end have no target)
+    recent = torch.stack([embed[cache["root"][(i + h - q).clamp(max=N - 1)]] for q in range(n)], -2)  # [len(i), n, D]
+    return heads.path_input(x, recent.to(x.dtype))             # (positions past an answer's end have no target)
 
 
 def head_loss(heads, sub, cache, i, x, h):
@@ -372,10 +374,8 @@ def run(args):
                                          "medusa-32")}
     trees = {n: t for n, t in trees.items() if t.max_depth <= args.num_heads}
     ev = {name: measure.evaluate_heads(model, heads, r, trees) for name, r in held.items()}
-    acc = ev["templated"]["all"]["acc"]
     budgets = tuple(int(b) for b in args.budgets.split(","))
-    tree, table = measure.choose_tree(model, heads, held["templated"], budgets=budgets, acc=acc,
-                                      min_speedup=args.min_speedup)
+    tree, table = measure.choose_tree(model, heads, held["templated"], budgets=budgets, min_speedup=args.min_speedup)
     for name in ev:                             # the chosen tree's tau on every held-out set and category
         for cat, e in ev[name].items():
             part = held[name] if cat == "all" else [r for r in held[name] if r.get("category") == cat]

@@ -75,12 +75,12 @@ def drafting_cost(model, heads, tree, reps=7):
     return statistics.median(times)
 
 
-def choose_tree(model, heads, rows, budgets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32), acc=None, reps=7, context=300,
+def choose_tree(model, heads, rows, budgets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32), reps=7, context=300,
                 min_speedup=None):
     """(best tree, table): candidate trees from the held-out ranks (`tree_from_ranks`), each with its simulated tau,
     measured step cost ratio and predicted speedup on this machine (batch 1). Best = the fastest predicted; with
     `min_speedup`, the one that accepts the most (highest τ) among those predicted at least that fast (the fastest
-    if none is). `acc` is kept for callers that pass it; the trees are built from the ranks themselves."""
+    if none is)."""
     rows = [r for r in rows if r["mode"] == "greedy"]
     cache = distill.build_cache(model, rows, heads.token_map, top_k=1, num_heads=heads.num_heads)
     ranks = distill.head_ranks(heads, model, cache)
