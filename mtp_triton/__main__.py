@@ -1,4 +1,4 @@
-"""python -m mtp_triton demo | generate | eval | tables | train_heads  [--help]"""
+"""python -m mtp_triton demo | generate | eval | tables | prune | train_heads | aot  [--help]"""
 import importlib
 import sys
 
@@ -7,6 +7,7 @@ COMMANDS = {
     "generate": ("mtp_triton.demo", "text_generate", "generate text from a prompt"),
     "eval": ("mtp_triton.bench.evaluate", "main", "the A/B evaluation harness (MTP on vs off)"),
     "tables": ("mtp_triton.bench.tables", "main", "reproduce the published speedup tables"),
+    "prune": ("mtp_triton.bench.pruning", "main", "MTP with confidence pruning of the tree, by threshold, vs serial"),
     "train_heads": ("mtp_triton.train_heads", "main", "train MTP heads (frozen base or joint)"),
     "aot": ("mtp_triton.aot", "main", "compile every kernel for sm_80/sm_90/... without a GPU: resources, roofline"),
 }

@@ -18,7 +18,7 @@ import time
 import torch
 
 from .bench.common import EMBEDDED, PROMPTS, ROOT, append_rows, ensure_writable_dir, env_info
-from .generate import generate
+from .generate import RuntimeConfig, generate
 from .heads import load_heads
 from .loading import load_model, load_tokenizer
 from .tree import Tree, get_tree
@@ -106,10 +106,10 @@ def pick_prompts(rows, per_category):
     return out
 
 
-def run_pair(model, heads, tree, ids, max_new, eos, kernels):
+def run_pair(model, heads, tree, ids, max_new, eos, kernels, runtime=None):
     """Serial then MTP on one prompt (batch 1). -> (serial result, mtp result)"""
     ser = generate(model, [ids], max_new, mtp=False, eos_token_id=eos, kernels=kernels)
-    mtp = generate(model, [ids], max_new, heads=heads, tree=tree, eos_token_id=eos, kernels=kernels)
+    mtp = generate(model, [ids], max_new, heads=heads, tree=tree, eos_token_id=eos, kernels=kernels, runtime=runtime)
     return ser, mtp
 
 
@@ -156,12 +156,15 @@ def demo(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--tree", default="stored", help="'stored' (saved with the heads), 'auto' (tuned now to this "
                     "machine), 'tuned' (to the heads' accuracies) or a preset name")
+    ap.add_argument("--prune-below", type=float, default=None, metavar="P", help="confidence pruning: verify only "
+                    "drafted nodes whose path probability under the heads is >= P (RuntimeConfig.prune_below; off)")
     ap.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"])
     ap.add_argument("--dtype", default=None, choices=["bf16", "fp32"])
     ap.add_argument("--device", default=None)
     ap.add_argument("--out", default=os.path.join("out", "demo"))
     a = ap.parse_args(argv)
     try:
+        runtime = RuntimeConfig(prune_below=a.prune_below) if a.prune_below is not None else None
         ensure_writable_dir(a.out)
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[a.dtype]
         model, heads, tok = load_bundle(a.model, a.heads, a.device, dtype)
@@ -177,13 +180,14 @@ def demo(argv=None):
     print(f"model {a.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f} M params, {model.dtype}, "
           f"{torch.get_num_threads()} threads, kernels {a.kernels}; {heads.num_heads} heads"
           f"{f', draft vocabulary {len(heads.token_map)}' if heads.token_map is not None else ''}; tree of "
-          f"{tree.size} nodes (depth {tree.max_depth})")
+          f"{tree.size} nodes (depth {tree.max_depth})"
+          + (f", pruned below path probability {a.prune_below:g}" if runtime else ""))
     ids0 = encode(tok, rows[0]["text"])
-    run_pair(model, heads, tree, ids0, 8, eos, a.kernels)                          # warm-up, not timed
+    run_pair(model, heads, tree, ids0, 8, eos, a.kernels, runtime)                 # warm-up, not timed
     pairs, cats = [], []
     for r in rows:
         ids = encode(tok, r["text"])
-        ser, mtp = run_pair(model, heads, tree, ids, a.max_new_tokens, eos, a.kernels)
+        ser, mtp = run_pair(model, heads, tree, ids, a.max_new_tokens, eos, a.kernels, runtime)
         pairs.append((ser, mtp))
         cats.append(r.get("category", "all"))
         same = ser.tokens == mtp.tokens
@@ -209,7 +213,9 @@ def demo(argv=None):
     cmd = "python -m mtp_triton demo " + " ".join(argv if argv is not None else sys.argv[2:])
     out_rows = [dict(env, run="demo", model=a.model, dtype=str(model.dtype).replace("torch.", ""),
                      threads=torch.get_num_threads(), prompt_id=r.get("id"), category=c, mode=mode,
-                     tree_size=tree.size, max_new_tokens=a.max_new_tokens, kernels=res.stats.kernels,
+                     tree_size=tree.size, prune_below=a.prune_below,
+                     verified_nodes_per_step=res.stats.verified_nodes_per_step,
+                     max_new_tokens=a.max_new_tokens, kernels=res.stats.kernels,
                      new_tokens=res.stats.new_tokens, steps=res.stats.steps, tokens_per_step=res.stats.tokens_per_step,
                      decode_tokens_per_s=res.stats.decode_tokens_per_s, ttft_s=res.stats.ttft_s,
                      decode_s=res.stats.total_s - res.stats.ttft_s, identical=p[0].tokens == p[1].tokens,
@@ -266,6 +272,8 @@ def text_generate(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--tree", default="stored", help="'stored', 'auto', 'tuned' or a preset name (see demo --help)")
     ap.add_argument("--no-mtp", action="store_true")
+    ap.add_argument("--prune-below", type=float, default=None, metavar="P",
+                    help="confidence pruning of the tree (RuntimeConfig.prune_below; off)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=None)
@@ -280,6 +288,7 @@ def text_generate(argv=None):
         return 2
     try:
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[a.dtype]
+        runtime = RuntimeConfig(prune_below=a.prune_below) if a.prune_below is not None else None
         model, heads, tok = load_bundle(a.model, a.heads, a.device, dtype)
         tree = pick_tree(a.tree, heads, a.heads or heads_dir_for(a.model), model, a.kernels)
         ids = tok(a.prompt)["input_ids"] if a.raw else encode(tok, a.prompt)
@@ -288,7 +297,7 @@ def text_generate(argv=None):
         t0 = time.perf_counter()
         res = generate(model, [ids], a.max_new_tokens, heads=heads, mtp=not a.no_mtp, tree=tree,
                        temperature=a.temperature, top_p=a.top_p, seed=a.seed, eos_token_id=tok.eos_token_id,
-                       kernels=a.kernels)
+                       kernels=a.kernels, runtime=runtime)
     except (OSError, ValueError, RuntimeError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

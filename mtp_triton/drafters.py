@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from .reference import topk_lower_id_first
 
 
-def bf16_draft(hidden, res_weight, res_bias, lm_head, top_k, *, token_map=None):
+def bf16_draft(hidden, res_weight, res_bias, lm_head, top_k, *, token_map=None, logprobs=False):
     """`fused_draft`'s math in the inputs' own dtype: the bf16 drafting path of a bf16 engine on a CPU.
 
     z_h = x + silu(W_h x + b_h) and logits_h = L_h z_h as bf16 matmuls (fp32 accumulation inside, bf16 results),
@@ -27,17 +27,21 @@ def bf16_draft(hidden, res_weight, res_bias, lm_head, top_k, *, token_map=None):
     (`reference.fused_draft`, the Triton kernel's specification) computes in fp32 instead; on this CPU that costs
     1-3 ms per call for an 8192-row draft vocabulary against ~0.3 ms here, and a drafter that draft tree-node by
     tree-node calls it once per depth. Drafts only steer speed: verification decides every token.
-    -> token_ids [B, H, top_k] (and None: no log-probs on this path)."""
+    -> token_ids [B, H, top_k], and with logprobs=True log_softmax(logits_h) at those rows [B, H, top_k] float32
+    (else None)."""
     pre = torch.einsum("bd,hed->bhe", hidden, res_weight) + res_bias                     # [B, H, D]
     z = hidden[:, None, :] + F.silu(pre)
     logits = z @ lm_head.T if lm_head.dim() == 2 else torch.einsum("bhd,hvd->bhv", z, lm_head)   # [B, H, V]
-    rows = topk_lower_id_first(logits.float(), top_k)
-    return (rows if token_map is None else token_map[rows]), None
+    logits = logits.float()
+    rows = topk_lower_id_first(logits, top_k)
+    logp = torch.log_softmax(logits, -1).gather(-1, rows) if logprobs else None
+    return (rows if token_map is None else token_map[rows]), logp
 
 
 class HeadsDrafter:
     """MTP heads on the target's hidden state: head h's top-k candidates for the token h + 2 positions ahead."""
     synthetic = False
+    reports_probabilities = True            # propose(probs=True) / draft_tree(min_prob=...): for step.Pruner
 
     def __init__(self, heads, model, ops):
         if heads.hidden_size != model.config.hidden_size:
@@ -67,17 +71,22 @@ class HeadsDrafter:
             raise ValueError("HeadsDrafter: these heads read the root token; pass roots [A]")
         return hidden + self.embed[roots] @ self.root_proj.T                        # x' = x + P e_root   [A, D]
 
-    def propose(self, hidden, top_k, context=None, num_heads=None, roots=None):
-        """Candidates of the first `num_heads` heads (all by default): ids [A, num_heads, top_k]."""
+    def propose(self, hidden, top_k, context=None, num_heads=None, roots=None, probs=False):
+        """Candidates of the first `num_heads` heads (all by default): ids [A, num_heads, top_k]; with probs=True
+        also each candidate's probability under its head [A, num_heads, top_k] (over the draft vocabulary)."""
         if self.sequential:
             raise ValueError("HeadsDrafter.propose: these heads read the drafted tokens of their path, so their "
                              "candidates depend on the tree node; use draft_tree(hidden, roots, tree)")
         H = num_heads or self.num_heads
         lm = self.lm_head[:H] if self.lm_head.dim() == 3 else self.lm_head          # per-head LM heads: theirs
         hidden = self._root_input(hidden, roots)
-        ids, _ = self.fused_draft(hidden.contiguous(), self.res_weight[:H], self.res_bias[:H], lm, top_k,
-                                  token_map=self.token_map)
-        return ids
+        ids, logp = self._draft(hidden.contiguous(), self.res_weight[:H], self.res_bias[:H], lm, top_k, probs)
+        return (ids, logp.exp()) if probs else ids
+
+    def _draft(self, x, w, b, lm, k, probs):
+        if self.fused_draft is bf16_draft:
+            return bf16_draft(x, w, b, lm, k, token_map=self.token_map, logprobs=probs)
+        return self.fused_draft(x, w, b, lm, k, token_map=self.token_map)
 
     def _plan(self, tree, device):
         """Per depth d = 1 .. max_depth: (nodes at d [n], their parents at d - 1 without repeats [p], each node's slot in
@@ -100,25 +109,37 @@ class HeadsDrafter:
             self._plans[key] = plan
         return self._plans[key]
 
-    def draft_tree(self, hidden, roots, tree):
+    def draft_tree(self, hidden, roots, tree, min_prob=None):
         """Tokens for every node of `tree`: [A, T] (node 0 = roots [A]); hidden [A, D] at the root's position.
 
         Depth by depth: every node p at depth d - 1 with children gets s = x' + sum_q Q_q e(y_{d-1-q}) from the
         tokens on its path (heads.py), head d - 1 scores it in one `fused_draft` call for all such p and all rows,
-        and child c of p takes rank rank[c] of p's candidates."""
+        and child c of p takes rank rank[c] of p's candidates.
+
+        min_prob (confidence pruning, see step.prune): also return path_prob [A, T] = the product of the heads'
+        probabilities of the tokens from the root to each node (root 1). Path probabilities only fall with depth,
+        so once no parent of a depth's nodes reaches min_prob in any row, nothing deeper can: drafting stops there
+        and the deeper nodes get path probability 0 (their tokens stay the root's, and are never verified)."""
         A, T = roots.shape[0], tree.size
         tokens = roots[:, None].repeat(1, T)                                        # [A, T]
+        path_prob = torch.ones(A, T, device=roots.device) if min_prob is not None else None
         x = self._root_input(hidden, roots)                                         # [A, D]
         for d, (nodes, par, slot, rank, k, anc) in enumerate(self._plan(tree, roots.device), 1):
+            if path_prob is not None and d > 1 and not bool((path_prob[:, par] >= min_prob).any()):  # host sync
+                path_prob[:, tree.depth >= d] = 0.0
+                break
             h = d - 1
             s = x[:, None, :].expand(A, par.numel(), x.shape[-1])                   # [A, p, D]
             for q in range(anc.shape[0]):                                           # y_{h - q}: the q-th ancestor
                 s = s + self.embed[tokens[:, anc[q]]] @ self.token_proj[q].T
             lm = self.lm_head[h:h + 1] if self.lm_head.dim() == 3 else self.lm_head
-            ids, _ = self.fused_draft(s.reshape(-1, s.shape[-1]).contiguous(), self.res_weight[h:h + 1],
-                                      self.res_bias[h:h + 1], lm, k, token_map=self.token_map)   # [A * p, 1, k]
+            ids, logp = self._draft(s.reshape(-1, s.shape[-1]).contiguous(), self.res_weight[h:h + 1],
+                                    self.res_bias[h:h + 1], lm, k, path_prob is not None)   # [A * p, 1, k]
             tokens[:, nodes] = ids.view(A, par.numel(), k)[:, slot, rank]
-        return tokens
+            if path_prob is not None:
+                p = logp.view(A, par.numel(), k)[:, slot, rank].exp()               # [A, n]
+                path_prob[:, nodes] = path_prob[:, par[slot]] * p
+        return tokens if path_prob is None else (tokens, path_prob)
 
 
 class OracleDrafter:

@@ -11,16 +11,18 @@ lossless sibling-wise rejection rule, so each emitted token is distributed as th
 loop with the one-node tree.
 """
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
 
+from . import invariant
 from .drafters import HeadsDrafter
 from .ops import get_ops
 from .policy import RuntimeConfig, RuntimePolicy
 from .sampling import Sampler
 from .stats import GenerateStats, StatsRecorder
-from .step import GraphedVerify, mtp_step
+from .step import GraphedVerify, Pruner, mtp_step
 from .tree import Tree, get_tree
 
 __all__ = ["generate", "prefill", "GenerateResult", "RuntimeConfig"]
@@ -78,7 +80,7 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
     Medusa-style choices (None: the heads' stored tree, else the package default). temperature 0: greedy; > 0:
     sampling (top_p nucleus), reproducible from `seed`. eos_token_id: None, an int, a list of ints or an int tensor.
     kernels: "triton" | "torch" | "auto" (Triton on CUDA, the PyTorch twins elsewhere).
-    runtime: a `RuntimeConfig` (cold start, dynamic depth, fallback). block_size: the paged cache's block size.
+    runtime: a `RuntimeConfig` (cold start, dynamic depth, fallback, confidence pruning). block_size: the paged cache's block size.
     drafter: instead of heads, any object with `num_heads` and `propose(hidden, top_k, context, num_heads, roots)`
     (e.g. the synthetic `drafters.OracleDrafter`). cuda_graph: replay the verify forward as a CUDA graph (one per
     tree size); finished sequences then keep running, frozen and never emitted, so shapes stay fixed.
@@ -110,6 +112,17 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
     policy = RuntimePolicy(runtime, len(prompts), full_tree.max_depth)
     rec = StatsRecorder(dev, len(prompts))
     graphs = GraphedVerify() if cuda_graph else None
+    pruner = None
+    if runtime is not None and runtime.prune_below is not None and drafter is not None:
+        if cuda_graph:
+            raise ValueError("RuntimeConfig.prune_below changes the verified tree every step; it cannot be combined "
+                             "with cuda_graph=True (one captured graph per tree size)")
+        if not getattr(drafter, "reports_probabilities", False):
+            raise ValueError(f"RuntimeConfig.prune_below needs a drafter that reports probabilities; "
+                             f"{type(drafter).__name__} does not")
+        pruner = Pruner(runtime.prune_below)
+    if drafter is not None and model.exact_mode(ops):
+        _warn_unless_row_invariant(model.dtype, dev)
     # The kernels' value checks read tensors (a host sync each on a GPU). The loop builds every input itself
     # (a validated tree, its own block tables and lengths), so on a GPU they are skipped inside the loop.
     check = dev.type != "cuda"
@@ -133,12 +146,12 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
         frozen = torch.tensor([done[b] for b in live], device=dev) if graphs is not None else None
         step = mtp_step(model, cache, rows, roots[rows], hidden[rows], tree, drafter, sampler, ops, parents=parents,
                         context=(live, [out[b] for b in live]), check_values=check, timer=rec.timer,
-                        graphs=graphs, frozen=frozen)
+                        graphs=graphs, frozen=frozen, pruner=pruner)
         hidden[rows] = step.hidden
         roots[rows] = step.bonus
 
         # ---- emit (one host sync per step): accepted drafts, then the bonus; stop at EOS / length ----
-        T = tree.size
+        T = step.draft.shape[1]                                                     # verified nodes (pruned or not)
         host = torch.cat([step.accept_len[:, None], step.bonus[:, None], step.accept_nodes, step.draft], 1).tolist()
         accepted, emitted, stepped = [], [], []
         for a, b in enumerate(live):
@@ -152,10 +165,25 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
             emitted.append(n)
             stepped.append((b, depths[a]))
         dt = time.perf_counter() - t_step
-        rec.step(dt, accepted, [d for _, d in stepped], emitted)
+        rec.step(dt, accepted, [d for _, d in stepped], emitted, nodes=T)
         rec.fallbacks += policy.update([b for b, _ in stepped], [d for _, d in stepped], accepted, emitted, dt)
 
     return GenerateResult(out, rec.finish(sum(len(o) for o in out), ops.kind, full_tree.size, cache.nbytes()))
+
+
+_PROBED = {}
+
+
+def _warn_unless_row_invariant(dtype, device):
+    """Low-precision MTP on a CPU is bit-identical to serial decoding only where the machine's matmuls are row-invariant
+    (invariant.py); probe that once per dtype and device, and say so where it fails."""
+    key = (dtype, str(device))
+    if key not in _PROBED:
+        _PROBED[key] = invariant.matmul_is_row_invariant(dtype, device)
+        if not _PROBED[key]:
+            warnings.warn(f"{dtype} matmuls on this CPU are not row-invariant (invariant.matmul_is_row_invariant): "
+                          "MTP output may differ from serial decoding at near-ties; use float32 for exact output",
+                          RuntimeWarning, stacklevel=3)
 
 
 def _extend(out, new, stop, max_new_tokens):

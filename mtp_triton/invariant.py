@@ -9,10 +9,13 @@ Thinking Machines' "Defeating Nondeterminism in LLM Inference" (2025,
 https://thinkingmachines.ai/blog/defeating-nondeterminism-in-llm-inference/) makes the general point: kernels whose
 reduction order does not depend on the batch (here: the tree) give identical results.
 
-(1) is a property of the machine's matmuls: on this project's CPUs (oneDNN, AVX-512 BF16) a bf16 matmul gives each
-output row the same bits whatever the number of rows (>= 2), the row's position, the number of columns or batch
-entries — `matmul_is_row_invariant()` checks it on the running machine. The engine never runs a 1-row linear layer in
-this mode (it pads to 2 rows), because the 1-row path rounds differently.
+(1) is a property of the machine's matmuls, within limits: on the CPUs this project has run on (oneDNN; AVX-512 BF16,
+and AMX), a bf16 matmul gives each output row the same bits whatever the row's position, the number of columns or
+batch entries, and whatever the number of rows from 2 to 32. Outside that range the kernel changes: a 1-row matmul
+takes another code path, and on AMX CPUs oneDNN blocks 33 rows or more differently (seen on 576 x 1536 and on the
+576 x 49152 LM head). So in this mode every linear layer goes through `linear`, which never hands the matmul one row
+alone and never more than MATMUL_ROWS = 32 at once; `matmul_is_row_invariant()` checks the property on the running
+machine, and `generate` warns once if it fails.
 
 (2) is what this file fixes, by making every sum follow *absolute token positions*:
   - keys are processed in chunks of C positions aligned at position 0, whatever is cached and whatever is a tree node;
@@ -35,19 +38,43 @@ from dataclasses import dataclass
 import torch
 
 CHUNK = 32
+MATMUL_ROWS = 32            # `linear` hands the matmul 2 .. MATMUL_ROWS rows at a time
+
+
+def linear(layer, x):
+    """layer(x) [..., N] for x [..., K] (layer: an nn.Linear or any row-wise function), computed in pieces of 2 .. MATMUL_ROWS rows, so that each row rounds as it
+    would in any other call (a 1-row piece is computed beside a copy of itself; n = 33 splits as 31 + 2)."""
+    rows = x.reshape(-1, x.shape[-1])
+    n = rows.shape[0]
+    if 2 <= n <= MATMUL_ROWS:
+        return layer(x)
+    if n == 1:
+        return layer(rows.repeat(2, 1))[:1].reshape(*x.shape[:-1], -1)
+    sizes = [MATMUL_ROWS] * (n // MATMUL_ROWS) + ([n % MATMUL_ROWS] if n % MATMUL_ROWS else [])
+    if sizes[-1] == 1:
+        sizes[-2:] = [MATMUL_ROWS - 1, 2]
+    return torch.cat([layer(piece) for piece in rows.split(sizes)]).reshape(*x.shape[:-1], -1)
 
 
 def matmul_is_row_invariant(dtype=torch.bfloat16, device="cpu", trials=3):
-    """Does a `dtype` matmul on this machine give a row the same bits whatever else is in the batch? (A probe.)"""
+    """Does a `dtype` matmul on this machine give a row the same bits in every call `linear` makes (2 .. MATMUL_ROWS
+    rows, at any position), and do the attention's batched matmuls give a row the same bits whatever their row
+    count? (A probe, on the shapes of a small Llama: the 576 x 1536 MLP, the 49152-row LM head, one attention head.)"""
     g = torch.Generator().manual_seed(0)
     for t in range(trials):
         k, n = (576, 1536, 64)[t % 3], (49152, 576, 65)[t % 3]
         w = (torch.randn(n, k, generator=g) * 0.05).to(dtype).to(device)
-        x = torch.randn(33, k, generator=g).to(dtype).to(device)
-        full = torch.nn.functional.linear(x, w)
-        for m in (2, 5, 17):
-            part = torch.nn.functional.linear(x[-m:], w)
-            if not torch.equal(part, full[-m:]):
+        x = torch.randn(MATMUL_ROWS + 1, k, generator=g).to(dtype).to(device)
+        full = linear(lambda v: torch.nn.functional.linear(v, w), x)           # 33 rows: pieces of 31 and 2
+        for m in (2, 5, 17, MATMUL_ROWS):
+            if not torch.equal(torch.nn.functional.linear(x[-m:], w), full[-m:]):
+                return False
+    for k, n in ((64, 96), (32, 64)):                   # scores (q @ k^T) and chunk partials (p @ v), [1, M, K]
+        a = torch.randn(1, 99, k, generator=g).to(dtype).to(device)
+        b = torch.randn(1, k, n, generator=g).to(dtype).to(device)
+        full = a @ b
+        for m in (3, 21, 63):
+            if not torch.equal(a[:, :m] @ b, full[:, :m]):
                 return False
     return True
 

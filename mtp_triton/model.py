@@ -158,13 +158,9 @@ def _linear(layer, x):
     return layer(x)
 
 
-def _linear_2rows(layer, x):
-    """layer(x), but a single row is computed beside a copy of itself: on the CPUs this project measured, a 1-row
-    matmul takes another code path than >= 2 rows and rounds differently, which would break invariance."""
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] != 1:
-        return layer(x)
-    return layer(rows.repeat(2, 1))[:1].reshape(*x.shape[:-1], -1)
+def _linear_exact(layer, x):
+    """layer(x) with the rows in the matmul sizes whose rounding does not depend on the row count (`invariant.linear`)."""
+    return invariant.linear(layer, x)
 
 
 class PagedKVCache:
@@ -255,7 +251,7 @@ class LlamaEngine(nn.Module):
         cos, sin = self.rope(positions)
         x = self.embed_tokens(tokens)                                          # [B, T, D]
         exact = self.exact_mode(ops) if exact is None else exact
-        lin = _linear_2rows if exact else _linear
+        lin = _linear_exact if exact else _linear
         plans = {}                                  # exact: one attention plan per distinct window, for all layers
         for l, blk in enumerate(self.layers):
             h = blk.input_layernorm(x)
@@ -283,10 +279,10 @@ class LlamaEngine(nn.Module):
         return self.norm(x), k_tree, v_tree
 
     def logits(self, hidden):
-        """hidden [..., D] -> logits [..., V]. bf16/fp16 on CPU: a single row is computed as part of two, so that a
-        serial step rounds like a tree step (see invariant.py)."""
+        """hidden [..., D] -> logits [..., V]. bf16/fp16 on CPU: the rows go through `invariant.linear` (never one
+        row alone, never more than invariant.MATMUL_ROWS at once), so a serial step rounds like a tree step."""
         half_cpu = self.dtype in (torch.bfloat16, torch.float16) and self.device.type == "cpu"
-        return _linear_2rows(self.lm_head, hidden) if half_cpu else self.lm_head(hidden)
+        return _linear_exact(self.lm_head, hidden) if half_cpu else self.lm_head(hidden)
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod

@@ -16,6 +16,10 @@ switches it down where it does not pay, per sequence, with four rules (all off b
 Depth d means: nodes of the candidate tree deeper than d are switched off for that sequence (their parent is set to
 -1, so they cannot be accepted). Depth 0 is a serial step. Whatever the policy decides, the output is the same:
 it changes only how many tokens each step can emit.
+
+A fifth setting works inside each step rather than across steps: confidence pruning (`prune_below`, see
+`step.Pruner`) verifies only the drafted nodes whose path probability under the heads is at least that value, so a
+step whose drafts look unlikely verifies a smaller tree, and costs less.
 """
 from collections import deque
 from dataclasses import dataclass
@@ -36,6 +40,7 @@ class RuntimeConfig:
     fallback_threshold: float = None      # rolling acceptance rate below which a sequence decodes serially
     fallback_window: int = 8              # speculative steps in the rolling window
     fallback_steps: int = 16              # serial steps before speculation is tried again
+    prune_below: float = None             # confidence pruning: verify nodes with path probability >= this only
 
     def __post_init__(self):
         if self.dynamic_depth not in (None, "throughput", "acceptance"):
@@ -44,6 +49,9 @@ class RuntimeConfig:
             raise ValueError("RuntimeConfig: counts and windows must be positive")
         if self.start_depth is not None and self.start_depth < 0:
             raise ValueError("RuntimeConfig: start_depth must be >= 0")
+        if self.prune_below is not None and (isinstance(self.prune_below, bool) or not (
+                isinstance(self.prune_below, (int, float)) and 0.0 < self.prune_below <= 1.0)):
+            raise ValueError(f"RuntimeConfig: prune_below must be a probability in (0, 1], got {self.prune_below!r}")
 
 
 class RuntimePolicy:

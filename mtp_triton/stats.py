@@ -39,6 +39,8 @@ class GenerateStats:
     energy_j: float                 # GPU energy over the call from NVML (None where it cannot be measured)
     kernels: str                    # "triton" or "torch": which implementation ran
     tree_size: int                  # nodes of the full candidate tree, root included (1 = serial)
+    verified_nodes_per_step: float  # mean nodes per verify forward, root included (< tree_size with pruning or
+                                    #   a shallower runtime depth; nan without steps)
     cache_bytes: int                # bytes of the paged K/V cache allocated for the call
 
     def as_dict(self):
@@ -123,13 +125,16 @@ class StatsRecorder:
         self.steps = self.seq_steps = self.fallbacks = 0
         self.accept_hist, self.reached, self.accepted_at = Counter(), Counter(), Counter()
         self.itl = []
+        self.nodes = 0
 
     def first_token(self):
         self.ttft = time.perf_counter() - self.t_start
 
-    def step(self, seconds, accepted, depths, emitted):
-        """One step: per live sequence its accepted drafts, its allowed depth and the tokens it emitted."""
+    def step(self, seconds, accepted, depths, emitted, nodes=None):
+        """One step: per live sequence its accepted drafts, its allowed depth and the tokens it emitted; nodes: the
+        size of the tree the step verified."""
         self.steps += 1
+        self.nodes += nodes or 0
         for a, d in zip(accepted, depths):
             self.seq_steps += 1
             self.accept_hist[a] += 1
@@ -163,4 +168,5 @@ class StatsRecorder:
             itl_p99_s=percentile(self.itl, 99),
             tokens_per_s=new_tokens / total, decode_tokens_per_s=decode / max(total - ttft, 1e-12),
             peak_memory_bytes=peak_memory_bytes(self.device), energy_j=energy, kernels=kernels,
-            tree_size=tree_size, cache_bytes=cache_bytes)
+            tree_size=tree_size, cache_bytes=cache_bytes,
+            verified_nodes_per_step=self.nodes / self.steps if self.steps else float("nan"))

@@ -12,10 +12,15 @@ A serial step is the same step with the one-node tree (T = 1): nothing to draft,
 the next token. The phases are the ones Medusa names generate_candidates, tree_decoding, evaluate_posterior and
 update_inference_inputs (https://github.com/FasterDecoding/Medusa), and gpt-fast's speculative_decode.
 A = rows of the batch taking part in this step (`rows` indexes the cache), T = tree nodes, K = top-k, H = heads.
+
+Optionally the drafted tree is pruned by the heads' confidence before it is verified (`Pruner`, EAGLE-2's idea
+of a draft tree shaped by the draft's own probabilities): a step whose drafts look unlikely verifies fewer nodes.
 """
 from dataclasses import dataclass
 
 import torch
+
+from .tree import Tree
 
 
 @dataclass
@@ -28,21 +33,73 @@ class Step:
     hidden: torch.Tensor         # [A, D] final-norm hidden state at the deepest accepted node (drives the next draft)
 
 
-def draft(drafter, hidden, roots, tree, context=None):
+def draft(drafter, hidden, roots, tree, context=None, min_prob=None):
     """Tokens for every node: the root, then rank tree.rank[i] of head tree.depth[i] - 1.   -> [A, T]
 
     drafter.propose(hidden [A, D], top_k, context, num_heads, roots) -> ids [A, num_heads, K] (`drafters.HeadsDrafter`,
     or the synthetic `drafters.OracleDrafter`, which reads `context` = (batch indices, tokens emitted so far)
     instead of hidden). Only the heads the tree reaches run: a depth-2 tree drafts with 2 heads, however many exist.
     A drafter with `sequential = True` (heads that read the drafted tokens of their path) drafts node by node
-    instead: drafter.draft_tree(hidden, roots, tree) -> [A, T]."""
+    instead: drafter.draft_tree(hidden, roots, tree) -> [A, T].
+
+    min_prob (for `Pruner`): also return path_prob [A, T], the product of the heads' probabilities of the tokens
+    on the path from the root to each node (root 1); the drafter must report probabilities
+    (`reports_probabilities`). A sequential drafter stops drafting at the first depth no path reaches min_prob."""
+    want = min_prob is not None
+    if want and not getattr(drafter, "reports_probabilities", False):
+        raise ValueError(f"confidence pruning needs a drafter that reports probabilities; "
+                         f"{type(drafter).__name__} does not")
+    if tree.size == 1:
+        tokens = roots[:, None].clone()
+        return (tokens, torch.ones(tokens.shape, device=tokens.device)) if want else tokens
     if getattr(drafter, "sequential", False):
-        return drafter.draft_tree(hidden, roots, tree) if tree.size > 1 else roots[:, None].clone()
+        return drafter.draft_tree(hidden, roots, tree, min_prob=min_prob)
     tokens = roots[:, None].repeat(1, tree.size)                                    # [A, T]; node 0 = root
-    if tree.size > 1:
-        ids = drafter.propose(hidden, tree.top_k, context, num_heads=tree.max_depth, roots=roots)  # [A, depth, K]
-        tokens[:, 1:] = ids[:, tree.depth[1:] - 1, tree.rank[1:]]
-    return tokens
+    out = drafter.propose(hidden, tree.top_k, context, num_heads=tree.max_depth, roots=roots, **(
+        {"probs": True} if want else {}))                                           # [A, depth, K]
+    ids, probs = out if want else (out, None)
+    tokens[:, 1:] = ids[:, tree.depth[1:] - 1, tree.rank[1:]]
+    if not want:
+        return tokens
+    logp = torch.zeros(tokens.shape, device=tokens.device)                          # [A, T]; log 1 at the root
+    logp[:, 1:] = probs[:, tree.depth[1:] - 1, tree.rank[1:]].float().clamp_min(1e-30).log()
+    return tokens, torch.exp(logp @ tree.mask.T.float())                            # sum over each node's path
+
+
+class Pruner:
+    """Confidence pruning: verify only the nodes whose path probability under the heads is >= min_prob.
+
+        keep[a, i] = path_prob[a, i] >= min_prob  (and the node is not switched off for row a: parents[a, i] >= 0)
+
+    The verified tree is the union of the rows' kept nodes, with the nodes a row did not keep switched off for it
+    (parent -1, as the runtime policy's depth limit does); at batch 1 it is exactly the kept nodes. A child's
+    path probability never exceeds its parent's, so the kept set is a subtree. Lossless whatever min_prob is:
+    which nodes are verified depends only on the drafter, never on the target, and acceptance is unchanged.
+    Sub-trees are built once per set of kept nodes and cached."""
+
+    def __init__(self, min_prob):
+        if not 0.0 < float(min_prob) <= 1.0:
+            raise ValueError(f"Pruner: min_prob must be in (0, 1], got {min_prob!r}")
+        self.min_prob = float(min_prob)
+        self.trees = {}
+
+    def __call__(self, tree, tokens, path_prob, parents):
+        """tree with T nodes, tokens [A, T], path_prob [A, T], parents [T] or [A, T]
+        -> (sub-tree with T' nodes, tokens [A, T'], parents [T'] or [A, T'])"""
+        A, T = tokens.shape
+        on = (parents >= 0).expand(A, T).clone()
+        on[:, 0] = True
+        keep = on & (path_prob >= self.min_prob)
+        keep[:, 0] = True
+        keep &= (~keep).float() @ tree.mask.T.float() == 0                          # every ancestor kept too
+        idx = keep.any(0).nonzero()[:, 0]                                           # [T'] (a host sync)
+        key = (tree.paths, tuple(idx.tolist()))
+        if key not in self.trees:
+            self.trees[key] = Tree.from_choices([tree.paths[i] for i in key[1][1:]]).to(tokens.device)
+        sub = self.trees[key]
+        kept = keep[:, idx]
+        sub_parents = sub.parents if bool(kept.all()) else torch.where(kept, sub.parents[None, :], -1)
+        return sub, tokens[:, idx], sub_parents
 
 
 def verify(model, cache, rows, tokens, tree, ops, check_values=True, graphs=None):
@@ -84,20 +141,26 @@ def append(cache, rows, k_tree, v_tree, accept_nodes, accept_len, ops, check_val
 
 
 def mtp_step(model, cache, rows, roots, hidden, tree, drafter, sampler, ops, *, parents=None, context=None,
-             check_values=True, timer=None, graphs=None, frozen=None):
+             check_values=True, timer=None, graphs=None, frozen=None, pruner=None):
     """draft -> verify -> accept -> append for the rows `rows` of the cache.   -> Step
 
     roots [A] the newest committed token per row; hidden [A, D] its hidden state; tree: the candidate tree;
     parents [T] or [A, T]: the tree's parents, with -1 for nodes a row does not use (default tree.parents).
     context: passed to drafter.propose. timer: an optional `stats.PhaseTimer` (seconds per phase).
     graphs: a `GraphedVerify` to replay the verify forward from (CUDA). frozen [A] bool: rows that must not grow.
+    pruner: a `Pruner` (confidence pruning): the step then verifies only the nodes it keeps, and Step.draft /
+    accept_nodes index that sub-tree (Step.draft.shape[1] nodes).
     """
     clock = timer.start if timer else (lambda: None)
     stop = timer.stop if timer else (lambda name, t0: None)
     parents = tree.parents if parents is None else parents
 
     t0 = clock()
-    tokens = draft(drafter, hidden, roots, tree, context)                           # [A, T]
+    if pruner is None:
+        tokens = draft(drafter, hidden, roots, tree, context)                       # [A, T]
+    else:
+        tokens, path_prob = draft(drafter, hidden, roots, tree, context, min_prob=pruner.min_prob)
+        tree, tokens, parents = pruner(tree, tokens, path_prob, parents)            # [A, T'] with T' <= T
     stop("draft", t0)
 
     t0 = clock()

@@ -5,7 +5,7 @@
 
 Sources: results/cpu/demo/demo.csv (the main job), results/cpu/eval/eval.csv (the evaluation harness),
 data/smollm2-135m-instruct-heads/records/train_distill.json (the heads' held-out tau), results/cpu/tables/tables.csv
-(the measured depth sweep), results/aot/aot.csv (the ahead-of-time GPU audit), and results/<gpu>/ if any.
+(the measured depth sweep), results/cpu/prune/prune.csv (confidence pruning), results/aot/aot.csv (the ahead-of-time GPU audit), and results/<gpu>/ if any.
 """
 import csv
 import glob
@@ -122,6 +122,38 @@ def sweep_block(path):
     return out + [""]
 
 
+def prune_block(path):
+    """Confidence pruning: per prompt set, the newest run's configurations (serial, unpruned, each threshold)."""
+    rows = _rows(path)
+    rel = os.path.relpath(path, ROOT)
+    out = []
+    for prompts in dict.fromkeys(r["prompts"] for r in rows):
+        run = _latest([r for r in rows if r["prompts"] == prompts])
+        r0 = run[0]
+        sets = {"chat": "the hand-written held-out chat prompts", "templated": "the templated held-out prompts, the "
+                "set the heads' tree was tuned on"}
+        n = len({r["prompt_id"] for r in run})
+        out += [f"**Confidence pruning, {sets.get(prompts, prompts)}** (`{r0['command']}`; {_stamp(r0)}; "
+                f"{r0['model']}, {r0['dtype']}, {r0['threads']} threads, batch 1, {n} prompts, up to "
+                f"{r0['max_new_tokens']} new tokens, the heads' tree of {r0['tree_size']} nodes; rows: `{rel}`):\n",
+                "| configuration | decode tok/s | speedup | τ | verified nodes / step | identical |",
+                "|---|---|---|---|---|---|"]
+        by = {}
+        for r in run:
+            by.setdefault(r["config"], []).append(r)
+        rate = {c: sum(int(r["new_tokens"]) - 1 for r in rr) / sum(float(r["decode_s"]) for r in rr)
+                for c, rr in by.items()}
+        for c, rr in by.items():
+            steps = sum(int(r["steps"]) for r in rr)
+            tau = sum(int(r["new_tokens"]) - 1 for r in rr) / max(steps, 1)
+            nodes = sum(float(r["verified_nodes_per_step"]) * int(r["steps"]) for r in rr) / max(steps, 1)
+            same = sum(r["identical"] == "True" for r in rr)
+            out.append(f"| {c} | {rate[c]:.1f} | {rate[c] / rate['serial']:.2f}× | {tau:.2f} | {nodes:.1f} | "
+                       f"{same}/{len(rr)} |")
+        out.append("")
+    return out
+
+
 def aot_block(path):
     rows = _rows(path)
     rel = os.path.relpath(path, ROOT)
@@ -162,7 +194,8 @@ def render():
     out = []
     for path, block in (("results/cpu/demo/demo.csv", demo_block), ("results/cpu/eval/eval.csv", eval_block),
                         ("data/smollm2-135m-instruct-heads/records/train_distill.json", heads_block),
-                        ("results/cpu/tables/tables.csv", sweep_block), ("results/aot/aot.csv", aot_block)):
+                        ("results/cpu/tables/tables.csv", sweep_block), ("results/cpu/prune/prune.csv", prune_block),
+                        ("results/aot/aot.csv", aot_block)):
         full = os.path.join(ROOT, path)
         if os.path.exists(full):
             out += block(full)

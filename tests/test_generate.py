@@ -178,11 +178,13 @@ def peaked():
     return model, prompt, temp, _exact_pair_probs(model, prompt, temp).flatten()
 
 
-def _chi2_vs_exact(model, prompt, temp, exact, tree, n=3000):
+def _chi2_vs_exact(model, prompt, temp, exact, tree, n=3000, runtime=None):
     """Chi-square of the (2nd, 3rd) new-token pairs of n MTP samples against the exact law, and its limit."""
     heads = mt.init_heads(model, 3, seed=0)
-    res = mt.generate(model, [prompt] * n, 3, heads=heads, tree=tree, temperature=temp, seed=123)
+    res = mt.generate(model, [prompt] * n, 3, heads=heads, tree=tree, temperature=temp, seed=123, runtime=runtime)
     assert res.stats.accept_rate_per_depth[0] > 0.1          # acceptance really happened
+    if runtime is not None and runtime.prune_below is not None:   # pruning really happened
+        assert 1 < res.stats.verified_nodes_per_step < res.stats.tree_size
     counts = torch.zeros(36, dtype=torch.float64)
     for t in res.tokens:
         counts[t[1] * 6 + t[2]] += 1
@@ -200,6 +202,13 @@ def test_sampling_is_distribution_preserving(peaked, tree):
     """MTP samples (2nd and 3rd tokens, jointly) fit the exact target law (chi-square, fixed seed)."""
     chi2, limit, rare, rare_expected = _chi2_vs_exact(*peaked, tree)
     assert chi2 < limit, f"{tree}: chi2 {chi2:.1f} > {limit:.1f}"
+    assert rare <= max(20, 3 * rare_expected)
+
+
+def test_sampling_with_confidence_pruning_is_distribution_preserving(peaked):
+    """Pruning picks the verified nodes from the drafter's probabilities only, so sampling stays exact."""
+    chi2, limit, rare, rare_expected = _chi2_vs_exact(*peaked, "medusa-16", runtime=mt.RuntimeConfig(prune_below=0.05))
+    assert chi2 < limit, f"chi2 {chi2:.1f} > {limit:.1f}"
     assert rare <= max(20, 3 * rare_expected)
 
 

@@ -17,6 +17,20 @@ def test_this_machine_has_row_invariant_bf16_matmuls():
     assert inv.matmul_is_row_invariant(DT)
 
 
+@pytest.mark.parametrize("n", [1, 2, 31, 32, 33, 34, 64, 65, 97])
+def test_linear_rounds_every_row_as_a_two_row_call(n):
+    """invariant.linear hands the matmul 2..32 rows at a time: each of its rows has the bits of a 2-row call (on AMX
+    CPUs a plain 33-row bf16 matmul does not; a 1-row one does not on any CPU seen)."""
+    g = torch.Generator().manual_seed(n)
+    w = (torch.randn(1536, 576, generator=g) * 0.05).to(DT)
+    x = torch.randn(n + 1, 576, generator=g).to(DT)
+    f = lambda v: torch.nn.functional.linear(v, w)
+    out = inv.linear(f, x[:n].view(1, n, 576))
+    assert out.shape == (1, n, 1536)
+    for i in range(n):
+        assert torch.equal(out[0, i], f(x[i:i + 2])[0]), i
+
+
 def _case(ns, tree, Hq=9, Hkv=3, Dh=64, BS=16, seed=0):
     g = torch.Generator().manual_seed(seed)
     B, T = len(ns), tree.size
@@ -76,7 +90,7 @@ def test_nan_in_slots_nobody_sees_is_ignored():
     assert not torch.isnan(inv.tree_attention(q, kc, vc, bt, cl, kt, vt, tree.mask)).any()
 
 
-@pytest.mark.parametrize("tree", ["chain-4", "medusa-16"])
+@pytest.mark.parametrize("tree", ["chain-4", "medusa-16", "medusa-64"])
 def test_bf16_mtp_equals_serial_end_to_end(tree):
     """A bf16 model on CPU decodes in exact mode: MTP with random heads emits the serial tokens, batch 3."""
     model = mt.LlamaEngine.from_hf(make_hf("gqa-hd16-v203-untied-L2"), dtype=DT)

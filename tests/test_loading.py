@@ -281,6 +281,25 @@ def test_smollm2_greedy_matches_transformers(smol):
         assert res.tokens == ref and res.stats.tree_size == len(heads.tree) + 1
 
 
+def test_smollm2_bf16_mtp_equals_serial_past_32_matmul_rows(smol):
+    """bf16 on a CPU (the demo's mode): MTP with the shipped heads emits the serial bf16 tokens also where a verify
+    step has more than 32 rows (a 33-node tree; two prompts of a 21-node tree, pruned by confidence) - the row count
+    past which AMX CPUs round a bf16 matmul differently (invariant.linear). Short: near-ties are rare, so this is
+    an end-to-end smoke test; test_invariant.py tests the mechanism."""
+    import copy
+    model, _, _, prompts = smol
+    shipped = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
+                           "smollm2-135m-instruct-heads")
+    if not os.path.exists(os.path.join(shipped, "heads.safetensors")):
+        pytest.skip("no shipped heads")
+    bf = copy.deepcopy(model).to(torch.bfloat16)
+    heads = mt.load_heads(shipped)
+    serial = mt.generate(bf, prompts, 10, mtp=False).tokens
+    assert mt.generate(bf, prompts[:1], 10, heads=heads, tree="medusa-32").tokens == serial[:1]
+    res = mt.generate(bf, prompts, 10, heads=heads, runtime=mt.RuntimeConfig(prune_below=0.05))
+    assert res.tokens == serial and res.stats.verified_nodes_per_step < len(heads.tree) + 1
+
+
 def test_smollm2_writes_its_own_prompts(smol, tmp_path):
     """Magpie-style: handed its chat template up to a user turn, the real model writes user messages; both the
     transformers and the engine sampler produce kept, template-free prompts that round-trip as user turns."""

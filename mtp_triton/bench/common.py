@@ -21,9 +21,32 @@ PROMPTS = os.path.join(ROOT, "data", "prompts", "thirdparty_code.jsonl")        
 
 # ---- the stamp every row carries ----------------------------------------------------------------------------
 def device_name(device=None):
+    """The GPU's name, or 'CPU <arch> x<cores> (<model>; <bf16 matmul units>)': two CPUs of one architecture can
+    differ several-fold in bf16 matmul speed (AVX-512 BF16 against AMX tiles), so rows keep which one ran."""
     if torch.cuda.is_available() and (device is None or str(device).startswith("cuda")):
         return torch.cuda.get_device_name()
-    return f"CPU {platform.processor() or platform.machine()} x{os.cpu_count()}"
+    name = f"CPU {platform.processor() or platform.machine()} x{os.cpu_count()}"
+    model, flags = cpu_model_and_flags()
+    units = [label for flag, label in (("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX-BF16")) if flag in flags]
+    extra = "; ".join(x for x in (model, " ".join(units)) if x)
+    return f"{name} ({extra})" if extra else name
+
+
+def cpu_model_and_flags():
+    """('model name', set of flags) from /proc/cpuinfo (Linux); ('', set()) elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+    except OSError:
+        return "", set()
+    model = flags = ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and not model:
+            model = value.strip()
+        elif key.strip() == "flags" and not flags:
+            flags = value
+    return model, set(flags.split())
 
 
 def git_commit():

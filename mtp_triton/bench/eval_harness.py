@@ -59,6 +59,7 @@ def config_id(cfg, model, heads):
     scenarios = os.path.basename(os.path.normpath(cfg.scenario_dir)) if cfg.scenario_dir else "auto"
     return (f"model {fingerprint(model)} heads {fingerprint(heads)} scenarios {scenarios} tree {cfg.tree} "
             f"T {cfg.temperature} top_p {cfg.top_p} seed {cfg.seed} kernels {cfg.kernels} fallback {cfg.fallback} "
+            + (f"prune_below {cfg.prune_below} " if cfg.prune_below is not None else "") +
             f"max_new_cap {cfg.max_new_cap} prompt_cap {cfg.prompt_cap} sweep_tokens {cfg.sweep_tokens} "
             f"long_request_tokens {cfg.long_request_tokens} edge_limit_tokens {cfg.edge_limit_tokens} "
             f"edge_full_context {cfg.edge_full_context}")
@@ -98,7 +99,8 @@ class Harness:
         self.eos = getattr(tok, "eos_token_id", None)
         self.tree = harness_tree(cfg.tree, heads, heads_dir, model, cfg.kernels)
         self.heads_dir = heads_dir
-        self.runtime = RuntimeConfig(fallback_threshold=cfg.fallback) if cfg.fallback is not None else None
+        rt = {k: v for k, v in (("fallback_threshold", cfg.fallback), ("prune_below", cfg.prune_below)) if v is not None}
+        self.runtime = RuntimeConfig(**rt) if rt else None
         self.env = env_info(model.device)
         self.config = config_id(cfg, model, heads)
         self.base = dict(self.env, run_id=uuid.uuid4().hex[:8], config=self.config, tree=cfg.tree,

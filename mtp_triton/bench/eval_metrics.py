@@ -27,7 +27,10 @@ def request_metrics(stats, tree_size):
     steps_seq = sum(hist)
     depth = len(stats.accept_rate_per_depth)
     accepted = sum(i * n for i, n in enumerate(hist))
-    drafted = steps_seq * (tree_size - 1)
+    nodes = stats.verified_nodes_per_step
+    # drafts verified: the nodes each step really verified (fewer than the tree's with pruning, a depth limit or a
+    # serial fallback step), else the whole tree per step
+    drafted = round(steps_seq * (nodes - 1)) if nodes == nodes else steps_seq * (tree_size - 1)
     return dict(
         new_tokens=stats.new_tokens, steps=stats.steps, tokens_per_step=stats.tokens_per_step,
         decode_tokens_per_s=stats.decode_tokens_per_s, tokens_per_s=stats.tokens_per_s,
@@ -38,7 +41,7 @@ def request_metrics(stats, tree_size):
         fallback_count=stats.fallback_count, time_draft_s=stats.time_draft_s,
         time_verify_s=stats.time_verify_s, time_accept_s=stats.time_accept_s,
         time_append_s=stats.time_append_s, peak_memory_bytes=stats.peak_memory_bytes,
-        cache_bytes=stats.cache_bytes, energy_j=stats.energy_j, kernels=stats.kernels)
+        cache_bytes=stats.cache_bytes, energy_j=stats.energy_j, kernels=stats.kernels, verified_nodes_per_step=nodes)
 
 
 @torch.no_grad()

@@ -86,6 +86,7 @@ class EvalConfig:
     max_new_cap: int = None               # cap on each item's max_new_tokens
     prompt_cap: int = None                # keep only the last N prompt tokens
     fallback: float = None                # RuntimeConfig.fallback_threshold (None: off)
+    prune_below: float = None             # RuntimeConfig.prune_below: confidence pruning (None: off)
     sweep: bool = False
     sweep_trees: tuple = None             # default: see sweep_tree_names()
     sweep_prompts: int = 5
@@ -210,6 +211,8 @@ def build_parser():
                     help="long-run stability over N generated tokens")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per request before it counts as a timeout")
     ap.add_argument("--fallback", type=float, default=None, help="RuntimeConfig.fallback_threshold (off by default)")
+    ap.add_argument("--prune-below", type=float, default=None, metavar="P",
+                    help="RuntimeConfig.prune_below: confidence pruning of the tree (off by default)")
     ap.add_argument("--no-edge", action="store_true", help="skip the bad / edge input section")
     ap.add_argument("--edge-full-context", action="store_true", help="run the 'context at the limit' edge case on a "
                     "CPU even for a context over 2048 tokens (a prefill of the whole context)")
@@ -261,7 +264,8 @@ def main(argv=None):
                       "chat model) or pass --heads <folder>.")
     kw = dict(tree=a.tree, temperature=a.temperature, top_p=a.top_p, seed=a.seed, kernels=a.kernels,
               scenarios=tuple(a.scenarios) if a.scenarios else None, scenario_dir=a.scenario_dir, sweep=a.sweep,
-              long_run=a.long_run, timeout_s=a.timeout, fallback=a.fallback, edge=not a.no_edge,
+              long_run=a.long_run, timeout_s=a.timeout, fallback=a.fallback, prune_below=a.prune_below,
+              edge=not a.no_edge,
               edge_full_context=True if a.edge_full_context else None, progress=not a.no_progress)
     kw.update({k: v for k, v in (("max_prompts", a.max_prompts), ("max_new_cap", a.max_new_cap)) if v is not None})
     try:
