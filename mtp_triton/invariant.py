@@ -11,8 +11,8 @@ reduction order does not depend on the batch (here: the tree) give identical res
 
 (1) is a property of the machine's matmuls, within limits: on the CPUs this project has run on (oneDNN; AVX-512 BF16,
 and AMX), a bf16 matmul gives each output row the same bits whatever the row's position, the number of columns or
-batch entries, and whatever the number of rows from 2 to 32. Outside that range the kernel changes: a 1-row matmul
-takes another code path, and on AMX CPUs oneDNN blocks 33 rows or more differently (seen on 576 x 1536 and on the
+batch entries, and whatever the number of rows from 2 to 32. Outside that range the kernel may change: on some of
+these CPUs a 1-row matmul takes another code path, and on AMX CPUs oneDNN blocks 33 rows or more differently (seen on 576 x 1536 and on the
 576 x 49152 LM head). So in this mode every linear layer goes through `linear`, which never hands the matmul one row
 alone and never more than MATMUL_ROWS = 32 at once; `matmul_is_row_invariant()` checks the property on the running
 machine, and `generate` warns once if it fails.

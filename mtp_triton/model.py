@@ -158,11 +158,6 @@ def _linear(layer, x):
     return layer(x)
 
 
-def _linear_exact(layer, x):
-    """layer(x) with the rows in the matmul sizes whose rounding does not depend on the row count (`invariant.linear`)."""
-    return invariant.linear(layer, x)
-
-
 class PagedKVCache:
     """k, v [L, NB, BS, Hkv, Dh]; block_table [B, max_blocks] int32; cache_lens [B] int32.
 
@@ -251,7 +246,7 @@ class LlamaEngine(nn.Module):
         cos, sin = self.rope(positions)
         x = self.embed_tokens(tokens)                                          # [B, T, D]
         exact = self.exact_mode(ops) if exact is None else exact
-        lin = _linear_exact if exact else _linear
+        lin = invariant.linear if exact else _linear
         plans = {}                                  # exact: one attention plan per distinct window, for all layers
         for l, blk in enumerate(self.layers):
             h = blk.input_layernorm(x)
@@ -282,7 +277,7 @@ class LlamaEngine(nn.Module):
         """hidden [..., D] -> logits [..., V]. bf16/fp16 on CPU: the rows go through `invariant.linear` (never one
         row alone, never more than invariant.MATMUL_ROWS at once), so a serial step rounds like a tree step."""
         half_cpu = self.dtype in (torch.bfloat16, torch.float16) and self.device.type == "cpu"
-        return _linear_exact(self.lm_head, hidden) if half_cpu else self.lm_head(hidden)
+        return invariant.linear(self.lm_head, hidden) if half_cpu else self.lm_head(hidden)
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod

@@ -82,6 +82,7 @@ class Pruner:
             raise ValueError(f"Pruner: min_prob must be in (0, 1], got {min_prob!r}")
         self.min_prob = float(min_prob)
         self.trees = {}
+        self.ancestors = {}                 # (tree.paths, device) -> mask.T as float [T, T] (for the ancestor check's matmul)
 
     def __call__(self, tree, tokens, path_prob, parents):
         """tree with T nodes, tokens [A, T], path_prob [A, T], parents [T] or [A, T]
@@ -91,14 +92,18 @@ class Pruner:
         on[:, 0] = True
         keep = on & (path_prob >= self.min_prob)
         keep[:, 0] = True
-        keep &= (~keep).float() @ tree.mask.T.float() == 0                          # every ancestor kept too
+        key = (tree.paths, tree.mask.device)
+        anc = self.ancestors.get(key)
+        if anc is None:
+            anc = self.ancestors[key] = tree.mask.T.float()
+        keep &= (~keep).float() @ anc == 0                                          # every ancestor kept too
         idx = keep.any(0).nonzero()[:, 0]                                           # [T'] (a host sync)
         key = (tree.paths, tuple(idx.tolist()))
         if key not in self.trees:
             self.trees[key] = Tree.from_choices([tree.paths[i] for i in key[1][1:]]).to(tokens.device)
         sub = self.trees[key]
-        kept = keep[:, idx]
-        sub_parents = sub.parents if bool(kept.all()) else torch.where(kept, sub.parents[None, :], -1)
+        # at batch 1 the union is the row's own kept set; with more rows a node some row did not keep is off for it
+        sub_parents = sub.parents if A == 1 else torch.where(keep[:, idx], sub.parents[None, :], -1)
         return sub, tokens[:, idx], sub_parents
 
 

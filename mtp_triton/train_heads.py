@@ -3,6 +3,7 @@
     python -m mtp_triton.train_heads joint  --tokenizer TOK --out MODEL_DIR ...   # base + heads from scratch
     python -m mtp_triton.train_heads frozen --model MODEL_DIR --out HEADS_DIR ...  # heads for a frozen base
     python -m mtp_triton.train_heads eval   --model MODEL_DIR --heads HEADS_DIR --prompts P.jsonl --out tau.json
+    python -m mtp_triton.train_heads retree --heads HEADS_DIR --tune A.jsonl,B.jsonl   # the tree, for this machine
 
 For your own Llama checkpoint on a GPU (bf16 base, fp32 heads, hidden states cached once):
     python -m mtp_triton.train_heads frozen --model /ckpt/llama-7b --out /ckpt/llama-7b/heads --device cuda \\
@@ -44,6 +45,7 @@ SUBCOMMANDS = {
     "joint": ("mtp_triton.training.joint", "train_joint", "train a small Llama and its heads together (MTP loss)"),
     "frozen": ("mtp_triton.training.frozen", "train_frozen", "self-distil heads for a frozen base (Medusa-1)"),
     "distill": ("mtp_triton.training.distill", "run", "heads for a frozen chat model from its own answers (SmolLM2)"),
+    "retree": ("mtp_triton.training.retree", "run", "choose trained heads' tree again for this machine (no training)"),
     "eval": ("mtp_triton.training.evaluate", "measure_tau",
              "measure tau with mtp_triton.generate (greedy) per tree on a prompt file"),
 }

@@ -6,6 +6,7 @@ c(T) ≈ 1 up to large T (weights are read once either way), so big trees win; o
 model c(T) grows quickly, so small trees win. `best_tree` times c(T) on the real model and batch and
 returns the budget that maximises (1 + E[accept]) / c(T) — the analytic speedup of notebook 06.
 """
+import statistics
 import time
 
 import torch
@@ -16,7 +17,10 @@ from .tree import Tree
 
 @torch.no_grad()
 def step_cost(model, trees, batch=1, context=256, kernels="auto", reps=5):
-    """Median seconds of one verify step (forward over T nodes + logits) for each tree, on random tokens."""
+    """Median seconds of one verify step (forward over T nodes + logits) for each tree, on random tokens.
+
+    The trees are timed in interleaved rounds (each round runs every tree once), so a slow spell of a shared
+    machine slows every tree's samples alike instead of one tree's; each tree's median is over its `reps` rounds."""
     dev = model.device
     ops = get_ops(kernels, dev)
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -24,26 +28,27 @@ def step_cost(model, trees, batch=1, context=256, kernels="auto", reps=5):
     cache = model.new_cache([context + max(t.size for t in trees)] * batch)
     cache.cache_lens.fill_(context)
     rows = torch.arange(batch, device=dev)
-    out = []
+    runs = []
     for tree in trees:
         tree = tree.to(dev)
         tokens = torch.randint(0, model.config.vocab_size, (batch, tree.size), generator=g).to(dev)
         positions = context + tree.depth[None, :].expand(batch, -1)
 
-        def run():
-            h, _, _ = model.forward_tree(tokens, positions, tree.mask, cache, rows, ops, check_values=False)
+        def run(tokens=tokens, positions=positions, mask=tree.mask):
+            h, _, _ = model.forward_tree(tokens, positions, mask, cache, rows, ops, check_values=False)
             model.logits(h)
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
 
         run()                                                   # warm-up (kernel compiles)
-        times = []
-        for _ in range(reps):
+        runs.append(run)
+    times = [[] for _ in trees]
+    for _ in range(reps):
+        for run, ts in zip(runs, times):
             t0 = time.perf_counter()
             run()
-            times.append(time.perf_counter() - t0)
-        out.append(sorted(times)[reps // 2])
-    return out
+            ts.append(time.perf_counter() - t0)
+    return [statistics.median(ts) for ts in times]
 
 
 def best_tree(model, acc, budgets=(1, 2, 4, 8, 16, 32, 64), batch=1, context=256, kernels="auto"):

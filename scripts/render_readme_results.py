@@ -15,6 +15,7 @@ import sys
 from collections import defaultdict
 
 from mtp_triton.demo import summarise_rows
+from mtp_triton.bench.pruning import summarise_rows as summarise_prune_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEGIN, END = "<!-- results:begin (scripts/render_readme_results.py) -->", "<!-- results:end -->"
@@ -138,18 +139,9 @@ def prune_block(path):
                 f"{r0['max_new_tokens']} new tokens, the heads' tree of {r0['tree_size']} nodes; rows: `{rel}`):\n",
                 "| configuration | decode tok/s | speedup | τ | verified nodes / step | identical |",
                 "|---|---|---|---|---|---|"]
-        by = {}
-        for r in run:
-            by.setdefault(r["config"], []).append(r)
-        rate = {c: sum(int(r["new_tokens"]) - 1 for r in rr) / sum(float(r["decode_s"]) for r in rr)
-                for c, rr in by.items()}
-        for c, rr in by.items():
-            steps = sum(int(r["steps"]) for r in rr)
-            tau = sum(int(r["new_tokens"]) - 1 for r in rr) / max(steps, 1)
-            nodes = sum(float(r["verified_nodes_per_step"]) * int(r["steps"]) for r in rr) / max(steps, 1)
-            same = sum(r["identical"] == "True" for r in rr)
-            out.append(f"| {c} | {rate[c]:.1f} | {rate[c] / rate['serial']:.2f}× | {tau:.2f} | {nodes:.1f} | "
-                       f"{same}/{len(rr)} |")
+        for c, s in summarise_prune_rows(run).items():
+            out.append(f"| {c} | {s['tok_s']:.1f} | {s['speedup']:.2f}× | {s['tau']:.2f} | {s['nodes']:.1f} | "
+                       f"{s['identical']}/{s['prompts']} |")
         out.append("")
     return out
 

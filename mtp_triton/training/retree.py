@@ -1,0 +1,133 @@
+"""Choose trained heads' tree again, for the machine this runs on, without retraining them.
+
+    python -m mtp_triton train_heads retree --heads data/smollm2-135m-instruct-heads \\
+        --tune data/chat/heldout_templated.jsonl,data/chat/dev_chat.jsonl --min-speedup 1.4
+
+Which tree a set of heads should ship depends on two things training does not fix: the rank paths the model's
+continuations follow on the prompts people send, and what a verify step of T nodes costs on the machine that
+decodes (on a 2-core CPU a 25-node step can cost as little as a 21-node one on one machine and 20 % more on
+another). So the tree is chosen apart from training, from held-out answers:
+
+1. answers   this engine answers every prompt of the tuning sets and of the report sets greedily (resumable;
+             `answers.write_answers`) — the tokens greedy MTP must reproduce
+2. ranks     at every answer position, the rank of each true next token among each head's candidates, scored as
+             the CPU decoder drafts (`distill.head_ranks`)
+3. choose    for each budget, the tree that accepts the most on the tuning sets' ranks together
+             (`measure.tree_from_ranks`); its step and drafting costs timed here in interleaved rounds (median);
+             predicted speedup = simulated tau x serial step / (tree step + drafting); the shipped tree is the
+             one that accepts the most among those predicted at least `--min-speedup` as fast as serial decoding
+             (`measure.choose_tree_from_ranks`; without it, the fastest predicted)
+4. report    the exact greedy tau of preset trees and of the chosen one on every report set, per category —
+             including sets never used to choose (the hand-written held-out chat prompts)
+5. store     the tree and the tuning table go into heads.json (`tree`, `tuning`; the weights file is not
+             rewritten); the record, with the machine and commit it was measured on, into <records>/retree.json
+"""
+import json
+import os
+import time
+
+import torch
+
+from .answers import read_prompts, write_answers
+from .loop import write_json
+
+
+def _sets(spec):
+    """'a.jsonl,b.jsonl' -> {name: path}, name = the file's stem."""
+    paths = [p for p in spec.split(",") if p.strip()]
+    return {os.path.splitext(os.path.basename(p))[0]: p for p in paths}
+
+
+def run(args):
+    import mtp_triton as mt
+    from ..bench.common import env_info
+    from . import distill, measure
+    torch.set_num_threads(args.threads)
+    env = env_info()                              # stamped before anything is written
+    t0 = time.time()
+    model = mt.load_model(args.model, device="cpu", dtype=torch.bfloat16)
+    tok = mt.load_tokenizer(args.model)
+    heads = mt.load_heads(args.heads)
+    if heads.token_map is None:
+        raise ValueError(f"retree: {args.heads} has no draft vocabulary (token_map); these heads come from `distill`")
+    tune, report = _sets(args.tune), _sets(args.report)
+    if not tune:
+        raise ValueError("retree: --tune names no prompt file")
+    banned = set(tune) & {n.strip() for n in args.never_tune.split(",")}
+    if banned:
+        raise ValueError(f"retree: {sorted(banned)} must not be used to choose the tree (--never-tune)")
+    rows = {}
+    for name, path in {**tune, **report}.items():
+        prompts = read_prompts(path)
+        f = os.path.join(args.work, f"answers-{name}.jsonl")
+        write_answers(model, tok, prompts, f, args.max_new_tokens, sample_share=0.0, batch=args.gen_batch)
+        rows[name] = [r for r in distill.read_answers(f, {p["id"] for p in prompts}) if r["mode"] == "greedy"]
+    t_answers = time.time() - t0
+
+    t1 = time.time()
+    ranks, lengths = [], []
+    for name in tune:
+        c = distill.build_cache(model, rows[name], heads.token_map, 1, num_heads=heads.num_heads)
+        ranks.append(distill.head_ranks(heads, model, c))
+        lengths += distill.lengths_of(rows[name])
+    budgets = tuple(int(b) for b in args.budgets.split(","))
+    tree, table = measure.choose_tree_from_ranks(model, heads, torch.cat(ranks), lengths, budgets=budgets,
+                                                 reps=args.reps, min_speedup=args.min_speedup)
+    t_choose = time.time() - t1
+
+    t2 = time.time()
+    trees = {n: mt.get_tree(n) for n in ("chain-2", "chain-4", "medusa-16", "medusa-32")}
+    trees = {n: t for n, t in trees.items() if t.max_depth <= heads.num_heads}
+    if heads.tree is not None:
+        trees["previous"] = mt.Tree.from_choices([tuple(p) for p in heads.tree])
+    trees["chosen"] = tree
+    tau = {name: {cat: e["tau"] for cat, e in measure.evaluate_heads(model, heads, rows[name], trees).items()}
+           for name in dict.fromkeys(list(tune) + list(report))}
+    t_report = time.time() - t2
+
+    meta_file = os.path.join(args.heads, "heads.json")
+    with open(meta_file) as f:
+        meta = json.load(f)
+    previous = meta.get("tree")
+    meta["tree"] = [list(p) for p in tree.paths[1:]]
+    meta["tuning"] = table
+    meta["tuning_by"] = "retree"
+    with open(meta_file, "w") as f:
+        json.dump(meta, f, indent=2)
+    records = args.records or os.path.join(args.heads, "records")
+    cmd = "python -m mtp_triton train_heads retree " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("func", "recipe") and v is not None)
+    info = dict(env, command=cmd, config={k: v for k, v in vars(args).items() if k not in ("func", "recipe")},
+                threads=torch.get_num_threads(), tune={n: len(rows[n]) for n in tune},
+                report={n: len(rows[n]) for n in report},
+                positions={n: sum(distill.lengths_of(r)) for n, r in rows.items()},
+                tree_nodes=tree.size, tree_depth=tree.max_depth, previous_tree_nodes=len(previous) + 1 if previous
+                else None, tau=tau, seconds=dict(answers=round(t_answers, 1), choose=round(t_choose, 1),
+                                                 report=round(t_report, 1)))
+    write_json(os.path.join(records, "retree.json"), info)
+    chat = {n: t["all"]["chosen"] for n, t in tau.items()}
+    print(json.dumps(dict(tree_nodes=tree.size, tree_depth=tree.max_depth, tau_chosen=chat,
+                          seconds=info["seconds"])))
+    return info
+
+
+def add_arguments(sp):
+    sp.add_argument("--model", default="smollm2-135m-instruct")
+    sp.add_argument("--heads", default=os.path.join("data", "smollm2-135m-instruct-heads"),
+                    help="heads folder; its heads.json gets the new tree")
+    sp.add_argument("--tune", default=",".join(os.path.join("data", "chat", f) for f in
+                                               ("heldout_templated.jsonl", "dev_chat.jsonl")),
+                    help="comma-separated prompt files whose answers choose the tree")
+    sp.add_argument("--report", default=",".join(os.path.join("data", "chat", f) for f in
+                                                 ("heldout_templated.jsonl", "heldout_chat.jsonl")),
+                    help="comma-separated prompt files to report tau on")
+    sp.add_argument("--never-tune", default="heldout_chat", help="set names that --tune must not contain")
+    sp.add_argument("--work", default=os.path.join("runs", "retree"), help="answers (resumable)")
+    sp.add_argument("--records", default=None, help="default: <heads>/records")
+    sp.add_argument("--max-new-tokens", type=int, default=192)
+    sp.add_argument("--gen-batch", type=int, default=32)
+    sp.add_argument("--budgets", default="1,2,3,4,6,8,12,16,20,24,28,32", help="tree sizes (drafts) to choose from")
+    sp.add_argument("--min-speedup", type=float, default=1.4,
+                    help="ship the most accepting tree predicted at least this fast (none: the fastest predicted)")
+    sp.add_argument("--reps", type=int, default=21, help="timing rounds per tree (median)")
+    sp.add_argument("--threads", type=int, default=2)
