@@ -93,6 +93,21 @@ def eval_block(path):
 
 def heads_block(path):
     info = json.load(open(path))
+    retree = os.path.join(os.path.dirname(path), "retree.json")
+    if os.path.exists(retree):                    # the tree was chosen again after training: its record has the τ
+        rt = json.load(open(retree))
+        per = rt["tau"]["heldout_chat"]
+        names = list(per["all"])
+        out = [f"**SmolLM2 heads, τ on the hand-written held-out chat prompts** (greedy, exact replay of this "
+               f"engine's own answers; {info['steps']} training steps; `chosen`: the shipped tree of "
+               f"{rt['tree_nodes']} nodes, chosen by `train_heads retree` on {rt['device']} at commit {rt['commit']} "
+               f"from the templated held-out answers and a hand-written tuning split, never these prompts; "
+               f"`previous`: the {rt['previous_tree_nodes']}-node tree it replaced; "
+               f"`{os.path.relpath(retree, ROOT)}`, see the heads' card):\n",
+               "| category | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+        for cat, t in per.items():
+            out.append(f"| {cat} | " + " | ".join(f"{t[n]:.2f}" for n in names) + " |")
+        return out + [""]
     ev = info["heldout"]["chat"]
     names = list(ev["all"]["tau"])
     rel = os.path.relpath(path, ROOT)
@@ -131,8 +146,8 @@ def prune_block(path):
     for prompts in dict.fromkeys(r["prompts"] for r in rows):
         run = _latest([r for r in rows if r["prompts"] == prompts])
         r0 = run[0]
-        sets = {"chat": "the hand-written held-out chat prompts", "templated": "the templated held-out prompts, the "
-                "set the heads' tree was tuned on"}
+        sets = {"chat": "the hand-written held-out chat prompts", "templated": "the templated held-out prompts (the "
+                "heads' tree is tuned on them)"}
         n = len({r["prompt_id"] for r in run})
         out += [f"**Confidence pruning, {sets.get(prompts, prompts)}** (`{r0['command']}`; {_stamp(r0)}; "
                 f"{r0['model']}, {r0['dtype']}, {r0['threads']} threads, batch 1, {n} prompts, up to "
