@@ -147,7 +147,8 @@ def prune_block(path):
         run = _latest([r for r in rows if r["prompts"] == prompts])
         r0 = run[0]
         sets = {"chat": "the hand-written held-out chat prompts", "templated": "the templated held-out prompts (the "
-                "heads' tree is tuned on them)"}
+                "heads' tree is tuned on them)", "data/chat/dev_chat.jsonl": "the hand-written tuning split "
+                "(`data/chat/dev_chat.jsonl`, where a default threshold would be chosen)"}
         n = len({r["prompt_id"] for r in run})
         out += [f"**Confidence pruning, {sets.get(prompts, prompts)}** (`{r0['command']}`; {_stamp(r0)}; "
                 f"{r0['model']}, {r0['dtype']}, {r0['threads']} threads, batch 1, {n} prompts, up to "
