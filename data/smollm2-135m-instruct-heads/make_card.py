@@ -256,8 +256,8 @@ def retree_section(rt, meta):
                 "The shipped tree is the one that accepts the most (highest τ) among those predicted at least "
                 f"{cfg['min_speedup']:g}× as fast as serial decoding (`--min-speedup {cfg['min_speedup']:g}`). ")
              + "The hand-written held-out chat prompts (heldout_chat) never take part in the choice. The tree "
-             f"it replaces had {rt['previous_tree_nodes']} nodes (chosen by the training command on another "
-             "machine, from the templated held-out answers alone); `previous` below. The demo prints the "
+             f"it replaces had {rt['previous_tree_nodes']} nodes (`previous` below; the training command chooses the "
+             "first tree, from the templated held-out answers alone, on the machine it trains on). The demo prints the "
              "prediction beside its measured speedup.\n")
     L += tuning_table(meta)
     fast = max(meta["tuning"], key=lambda r: r["predicted_speedup"])
