@@ -18,7 +18,8 @@ another). So the tree is chosen apart from training, from held-out answers:
              one that accepts the most among those predicted at least `--min-speedup` as fast as serial decoding
              (`measure.choose_tree_from_ranks`; without it, the fastest predicted)
 4. report    the exact greedy tau of preset trees and of the chosen one on every report set, per category —
-             including sets never used to choose (the hand-written held-out chat prompts)
+             including sets never used to choose (the hand-written held-out chat prompts); each set's ranks are
+             computed once and serve both the choice and the report
 5. store     the tree and the tuning table go into heads.json (`tree`, `tuning`; the weights file is not
              rewritten); the record, with the machine and commit it was measured on, into <records>/retree.json
 """
@@ -28,6 +29,7 @@ import time
 
 import torch
 
+from . import distill
 from .answers import read_prompts, write_answers
 from .loop import write_json
 
@@ -38,10 +40,25 @@ def _sets(spec):
     return {os.path.splitext(os.path.basename(p))[0]: p for p in paths}
 
 
+def tau_by_category(ranks, rows, trees):
+    """{category: {tree name: tau}} plus "all", from one set's ranks [N, H] (`distill.head_ranks` over `rows`'
+    answers, concatenated in row order), so every subset is replayed from the same ranks instead of new ones."""
+    lengths = distill.lengths_of(rows)
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    out = {}
+    for cat in sorted({r.get("category") or "all" for r in rows}) + ["all"]:
+        idx = [j for j, r in enumerate(rows) if cat == "all" or (r.get("category") or "all") == cat]
+        part = torch.cat([ranks[starts[j]:starts[j + 1]] for j in idx])
+        out[cat] = {name: distill.simulate_tau(part, [lengths[j] for j in idx], t) for name, t in trees.items()}
+    return out
+
+
 def run(args):
     import mtp_triton as mt
     from ..bench.common import env_info
-    from . import distill, measure
+    from . import measure
     torch.set_num_threads(args.threads)
     env = env_info()                              # stamped before anything is written
     t0 = time.time()
@@ -65,14 +82,14 @@ def run(args):
     t_answers = time.time() - t0
 
     t1 = time.time()
-    ranks, lengths = [], []
-    for name in tune:
+    ranks = {}                                    # once per set: the choice and the report both replay them
+    for name in rows:
         c = distill.build_cache(model, rows[name], heads.token_map, 1, num_heads=heads.num_heads)
-        ranks.append(distill.head_ranks(heads, model, c))
-        lengths += distill.lengths_of(rows[name])
+        ranks[name] = distill.head_ranks(heads, model, c)
     budgets = tuple(int(b) for b in args.budgets.split(","))
-    tree, table = measure.choose_tree_from_ranks(model, heads, torch.cat(ranks), lengths, budgets=budgets,
-                                                 reps=args.reps, min_speedup=args.min_speedup)
+    tree, table = measure.choose_tree_from_ranks(
+        model, heads, torch.cat([ranks[n] for n in tune]), [k for n in tune for k in distill.lengths_of(rows[n])],
+        budgets=budgets, reps=args.reps, min_speedup=args.min_speedup)
     t_choose = time.time() - t1
 
     t2 = time.time()
@@ -81,8 +98,7 @@ def run(args):
     if heads.tree is not None:
         trees["previous"] = mt.Tree.from_choices([tuple(p) for p in heads.tree])
     trees["chosen"] = tree
-    tau = {name: {cat: e["tau"] for cat, e in measure.evaluate_heads(model, heads, rows[name], trees).items()}
-           for name in dict.fromkeys(list(tune) + list(report))}
+    tau = {name: tau_by_category(ranks[name], rows[name], trees) for name in dict.fromkeys(list(tune) + list(report))}
     t_report = time.time() - t2
 
     meta_file = os.path.join(args.heads, "heads.json")
