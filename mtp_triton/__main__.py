@@ -2,6 +2,8 @@
 import importlib
 import sys
 
+from .cli import run
+
 COMMANDS = {
     "demo": ("mtp_triton.demo", "demo", "serial vs MTP on the embedded model (the main job)"),
     "generate": ("mtp_triton.demo", "text_generate", "generate text from a prompt"),
@@ -21,8 +23,7 @@ def main(argv=None):
             print(f"  {name:12s} {text}")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     module, func, _ = COMMANDS[argv[0]]
-    rc = getattr(importlib.import_module(module), func)(argv[1:])
-    return rc if isinstance(rc, int) else 0
+    return run(getattr(importlib.import_module(module), func), argv[1:])
 
 
 if __name__ == "__main__":
