@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from ..cli import int_at_least  # noqa: F401  (re-exported for bench code)
 from ..records import (append_rows, cpu_model_and_flags, device_name, ensure_writable_dir, env_info,  # noqa: F401
                        git_commit, read_rows, write_bytes, write_json, write_text)
 
@@ -51,19 +52,6 @@ def tree_by_name(name, num_heads=None, heads_dir=None, acc=None):
 
 
 # ---- command lines ------------------------------------------------------------------------------------------
-def int_at_least(low):
-    """argparse type: an int >= low, refused with a message that says so."""
-    def parse(text):
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-    return parse
-
-
 def add_output_args(ap, default_csv, png_next_to_csv=False):
     """--out (the CSV rows are appended to) and --plot (a PNG of this run's rows)."""
     ap.add_argument("--out", default=default_csv, help="CSV to append rows to")
