@@ -1,6 +1,5 @@
 """Shared benchmark plumbing: paths, trees by name, command-line pieces, figures, timing and measured copy bandwidth.
 The environment stamp, CSV rows and atomic writes live in mtp_triton.records (re-exported here)."""
-import argparse
 import os
 import sys
 import time
