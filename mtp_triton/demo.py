@@ -18,14 +18,19 @@ import time
 import torch
 
 from .bench.common import EMBEDDED, PROMPTS, ROOT, append_rows, ensure_writable_dir, env_info
+from .cli import error, float_in, int_at_least
 from .generate import RuntimeConfig, generate
 from .heads import load_heads
 from .loading import load_model, load_tokenizer
-from .tree import Tree, get_tree
+from .sampling import check_seed, check_temperature
+from .stats import format_tau
+from .tree import PRESETS, Tree, get_tree
 
 SMOLLM2 = "smollm2-135m-instruct"
 HEADS = {SMOLLM2: os.path.join(ROOT, "data", "smollm2-135m-instruct-heads")}
 CHAT_PROMPTS = os.path.join(ROOT, "data", "chat", "heldout_chat.jsonl")
+TREE_NAMES = ("stored", "auto", "tuned")                   # besides the presets (mtp_triton.tree.PRESETS)
+PROBABILITY = float_in(0.0, 1.0, low_open=True)            # argparse type of --prune-below
 
 
 def heads_dir_for(model):
@@ -39,8 +44,24 @@ def load_bundle(model=SMOLLM2, heads=None, device=None, dtype=None):
     if dtype is None and model == SMOLLM2 and (device or "cpu") == "cpu" and not torch.cuda.is_available():
         dtype = torch.bfloat16
     m = load_model(model, device=device, dtype=dtype)
-    h = load_heads(heads or heads_dir_for(model), device=m.device, dtype=torch.float32)
+    heads_path = heads or heads_dir_for(model)
+    h = load_heads(heads_path, device=m.device, dtype=torch.float32)
+    check_heads_fit(h, m, heads_path)
     return m, h, load_tokenizer(model)
+
+
+def check_heads_fit(heads, model, where):
+    """ValueError (naming `where`) unless the heads read this model's hidden state and draft ids in its vocabulary."""
+    D, V = model.config.hidden_size, model.config.vocab_size
+    if heads.hidden_size != D:
+        raise ValueError(f"the heads in {where!r} read a hidden state of size {heads.hidden_size}, but the model's is "
+                         f"{D}: they were trained for another model. Pass --heads <the folder of this model's heads>.")
+    head_vocab = heads.lm_head.shape[1] if heads.lm_head is not None else None
+    if head_vocab is not None and heads.token_map is None and head_vocab != V:
+        raise ValueError(f"the heads in {where!r} draft over {head_vocab} ids, but the model's vocabulary has {V}")
+    if heads.token_map is not None and int(heads.token_map.max()) >= V:
+        raise ValueError(f"the heads in {where!r} have a draft vocabulary with id {int(heads.token_map.max())}, "
+                         f"outside the model's vocabulary of {V}")
 
 
 def load_embedded(path=EMBEDDED, device=None, dtype=None):
@@ -49,8 +70,29 @@ def load_embedded(path=EMBEDDED, device=None, dtype=None):
 
 
 def read_prompts(path=PROMPTS, n=None):
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    """The first n rows (all: None) of a prompts JSONL file: one JSON object per line with a non-empty string
+    'text' (and optionally 'category', 'id'). Anything else is a ValueError naming the file and line."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        raise ValueError(f"no prompts file {path!r}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"prompts file {path!r} is not valid UTF-8 (byte {e.start})") from None
+    rows = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{i}: not a JSON object ({e.msg}); a torn last line? Each line must be one "
+                             'JSON object such as {"text": "..."}') from None
+        if not isinstance(row, dict) or not isinstance(row.get("text"), str) or not row["text"].strip():
+            raise ValueError(f"{path}:{i}: each line needs a non-empty string 'text' field")
+        rows.append(row)
+    if not rows:
+        raise ValueError(f"prompts file {path!r} holds no prompts")
     return rows[:n] if n else rows
 
 
@@ -85,6 +127,13 @@ def pick_tree(arg, heads, heads_dir, model=None, kernels="auto", log=sys.stderr)
     if arg in ("stored", "auto", "tuned"):
         return default_tree(heads_dir, heads.num_heads)
     return get_tree(arg, heads.num_heads)
+
+
+def check_tree_name(name):
+    """ValueError unless `name` is one pick_tree knows: 'stored', 'auto', 'tuned' or a preset (checked before a model
+    loads, so a typo fails in a second)."""
+    if name not in TREE_NAMES and name not in PRESETS:
+        raise ValueError(f"unknown --tree {name!r}; use one of {list(TREE_NAMES)} or a preset: {sorted(PRESETS)}")
 
 
 def encode(tok, text):
@@ -152,30 +201,31 @@ def demo(argv=None):
     ap.add_argument("--heads", default=None, help="heads folder (default: the model's shipped heads)")
     ap.add_argument("--prompts", default=None, help="JSONL with 'text' (and 'category'); default: held-out chat "
                     "prompts for chat models, held-out code for the tiny model")
-    ap.add_argument("--per-category", type=int, default=2)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--per-category", type=int_at_least(1), default=2)
+    ap.add_argument("--max-new-tokens", type=int_at_least(1), default=128)
     ap.add_argument("--tree", default="stored", help="'stored' (saved with the heads), 'auto' (tuned now to this "
                     "machine), 'tuned' (to the heads' accuracies) or a preset name")
-    ap.add_argument("--prune-below", type=float, default=None, metavar="P", help="confidence pruning: verify only "
+    ap.add_argument("--prune-below", type=PROBABILITY, default=None, metavar="P", help="confidence pruning: verify only "
                     "drafted nodes whose path probability under the heads is >= P (RuntimeConfig.prune_below; off)")
     ap.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"])
     ap.add_argument("--dtype", default=None, choices=["bf16", "fp32"])
     ap.add_argument("--device", default=None)
     ap.add_argument("--out", default=os.path.join("out", "demo"))
     a = ap.parse_args(argv)
-    try:
+    try:                                                  # everything that can be checked before the model loads
         runtime = RuntimeConfig(prune_below=a.prune_below) if a.prune_below is not None else None
+        check_tree_name(a.tree)
+        given = read_prompts(a.prompts) if a.prompts else None
         ensure_writable_dir(a.out)
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[a.dtype]
         model, heads, tok = load_bundle(a.model, a.heads, a.device, dtype)
+        heads_dir = a.heads or heads_dir_for(a.model)
+        chat = bool(getattr(tok, "chat_template", None))
+        rows = given or read_prompts(CHAT_PROMPTS if chat else PROMPTS)
+        rows = pick_prompts(rows, a.per_category) if chat else rows[:3]
+        tree = pick_tree(a.tree, heads, heads_dir, model, a.kernels)
     except (OSError, ValueError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    heads_dir = a.heads or heads_dir_for(a.model)
-    chat = bool(getattr(tok, "chat_template", None))
-    rows = read_prompts(a.prompts or (CHAT_PROMPTS if chat else PROMPTS))
-    rows = pick_prompts(rows, a.per_category) if chat else rows[:3]
-    tree = pick_tree(a.tree, heads, heads_dir, model, a.kernels)
+        return error(e)
     eos = tok.eos_token_id
     print(f"model {a.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f} M params, {model.dtype}, "
           f"{torch.get_num_threads()} threads, kernels {a.kernels}; {heads.num_heads} heads"
@@ -194,7 +244,7 @@ def demo(argv=None):
         print(f"\n--- [{cats[-1]}] {r['text'][:90]!r}")
         print(f"    {tok.decode(ser.tokens[0], skip_special_tokens=True)[:240]!r}")
         print(f"    MTP: {'identical' if same else 'DIFFERENT: ' + tok.decode(mtp.tokens[0])[:200]!r}, tau "
-              f"{mtp.stats.tokens_per_step:.2f}, {ser.stats.decode_tokens_per_s:.1f} -> "
+              f"{format_tau(mtp.stats.tokens_per_step)}, {ser.stats.decode_tokens_per_s:.1f} -> "
               f"{mtp.stats.decode_tokens_per_s:.1f} tok/s")
     groups = {c: [p for p, pc in zip(pairs, cats) if pc == c] for c in dict.fromkeys(cats)}
     table = {c: summarise(ps) for c, ps in groups.items()}
@@ -269,10 +319,10 @@ def text_generate(argv=None):
     ap.add_argument("--model", default=SMOLLM2)
     ap.add_argument("--heads", default=None)
     ap.add_argument("--raw", action="store_true", help="don't wrap the prompt in the chat template")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max-new-tokens", type=int_at_least(1), default=128)
     ap.add_argument("--tree", default="stored", help="'stored', 'auto', 'tuned' or a preset name (see demo --help)")
     ap.add_argument("--no-mtp", action="store_true")
-    ap.add_argument("--prune-below", type=float, default=None, metavar="P",
+    ap.add_argument("--prune-below", type=PROBABILITY, default=None, metavar="P",
                     help="confidence pruning of the tree (RuntimeConfig.prune_below; off)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
@@ -284,11 +334,13 @@ def text_generate(argv=None):
     try:
         a.prompt.encode("utf-8")
     except UnicodeEncodeError:
-        print("error: --prompt is not valid UTF-8 text", file=sys.stderr)
-        return 2
+        return error("--prompt is not valid UTF-8 text")
     try:
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[a.dtype]
         runtime = RuntimeConfig(prune_below=a.prune_below) if a.prune_below is not None else None
+        check_temperature(a.temperature, a.top_p)
+        check_seed(a.seed)
+        check_tree_name(a.tree)
         model, heads, tok = load_bundle(a.model, a.heads, a.device, dtype)
         tree = pick_tree(a.tree, heads, a.heads or heads_dir_for(a.model), model, a.kernels)
         ids = tok(a.prompt)["input_ids"] if a.raw else encode(tok, a.prompt)
@@ -299,10 +351,9 @@ def text_generate(argv=None):
                        temperature=a.temperature, top_p=a.top_p, seed=a.seed, eos_token_id=tok.eos_token_id,
                        kernels=a.kernels, runtime=runtime)
     except (OSError, ValueError, RuntimeError, TypeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return error(e)
     print((a.prompt if a.raw else "") + tok.decode(res.tokens[0], skip_special_tokens=not a.raw))
     s = res.stats
-    print(f"\n[{s.new_tokens} tokens, {s.steps} steps, tau {s.tokens_per_step:.2f}, {s.decode_tokens_per_s:.1f} tok/s "
+    print(f"\n[{s.new_tokens} tokens, {s.steps} steps, tau {format_tau(s.tokens_per_step)}, {s.decode_tokens_per_s:.1f} tok/s "
           f"decode, TTFT {s.ttft_s * 1e3:.0f} ms, {time.perf_counter() - t0:.1f} s]", file=sys.stderr)
     return 0

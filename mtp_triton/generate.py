@@ -14,6 +14,7 @@ import time
 import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from . import invariant
@@ -78,9 +79,10 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
 
     prompts: list of token-id lists (lengths may differ) or a LongTensor [B, S]. tree: a Tree, a preset name or
     Medusa-style choices (None: the heads' stored tree, else the package default). temperature 0: greedy; > 0:
-    sampling (top_p nucleus), reproducible from `seed`. eos_token_id: None, an int, a list of ints or an int tensor.
+    sampling (top_p nucleus), reproducible from `seed` (an int in [0, 2**64); one generator serves the whole batch,
+    so a sampled prompt's tokens depend on its batch-mates: run a prompt alone for samples of its own). eos_token_id: None, an int, a list of ints or an int tensor.
     kernels: "triton" | "torch" | "auto" (Triton on CUDA, the PyTorch twins elsewhere).
-    runtime: a `RuntimeConfig` (cold start, dynamic depth, fallback, confidence pruning). block_size: the paged cache's block size.
+    runtime: a `RuntimeConfig` or a dict of its fields (cold start, dynamic depth, fallback, confidence pruning). block_size: the paged cache's block size.
     drafter: instead of heads, any object with `num_heads` and `propose(hidden, top_k, context, num_heads, roots)`
     (e.g. the synthetic `drafters.OracleDrafter`). cuda_graph: replay the verify forward as a CUDA graph (one per
     tree size); finished sequences then keep running, frozen and never emitted, so shapes stay fixed.
@@ -96,6 +98,9 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
                          f"length {cfg.max_position_embeddings}")
     stop = _stop_ids(eos_token_id, cfg.vocab_size)
     sampler = Sampler(temperature, top_p, seed, dev)
+    runtime = RuntimeConfig.of(runtime)
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be an int >= 1 (tokens per cache block), got {block_size!r}")
     if cuda_graph and dev.type != "cuda":
         raise ValueError("cuda_graph=True needs the model on a CUDA device")
     ops = get_ops(kernels, dev)
@@ -223,6 +228,10 @@ def _stop_ids(eos_token_id, vocab_size):
     """None | int | list of ints | int tensor -> a set of token ids (Llama-3 instruct models stop on two)."""
     if eos_token_id is None:
         return set()
+    if isinstance(eos_token_id, np.ndarray):                                   # numpy ids: as a tensor
+        if eos_token_id.dtype.kind not in "iu":
+            raise ValueError(f"eos_token_id array must hold integer ids, got {eos_token_id.dtype}")
+        eos_token_id = torch.from_numpy(eos_token_id.astype(np.int64))
     if isinstance(eos_token_id, torch.Tensor):
         if eos_token_id.is_floating_point() or eos_token_id.is_complex() or eos_token_id.dtype == torch.bool:
             raise ValueError(f"eos_token_id tensor must hold integer ids, got {eos_token_id.dtype}")

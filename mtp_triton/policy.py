@@ -21,6 +21,7 @@ A fifth setting works inside each step rather than across steps: confidence prun
 `step.Pruner`) verifies only the drafted nodes whose path probability under the heads is at least that value, so a
 step whose drafts look unlikely verifies a smaller tree, and costs less.
 """
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -45,13 +46,38 @@ class RuntimeConfig:
     def __post_init__(self):
         if self.dynamic_depth not in (None, "throughput", "acceptance"):
             raise ValueError(f"dynamic_depth must be None, 'throughput' or 'acceptance', got {self.dynamic_depth!r}")
-        if self.cold_start_tokens < 0 or self.depth_window < 1 or self.min_depth < 1 or self.fallback_window < 1:
-            raise ValueError("RuntimeConfig: counts and windows must be positive")
-        if self.start_depth is not None and self.start_depth < 0:
-            raise ValueError("RuntimeConfig: start_depth must be >= 0")
+        for name, low in (("cold_start_tokens", 0), ("depth_window", 1), ("min_depth", 1), ("fallback_window", 1),
+                          ("fallback_steps", 0), ("start_depth", 0)):
+            value = getattr(self, name)
+            if value is None and name == "start_depth":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"RuntimeConfig: {name} must be an int >= {low}, got {value!r}")
+        for name, high in (("rise", math.inf), ("fall", math.inf), ("accept_up", 1.0), ("accept_down", 1.0),
+                           ("fallback_threshold", 1.0)):
+            value = getattr(self, name)
+            if value is None and name == "fallback_threshold":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= high \
+                    or math.isnan(value) or math.isinf(value):
+                span = "a finite number >= 0" if high == math.inf else "a number in [0, 1]"
+                raise ValueError(f"RuntimeConfig: {name} must be {span}, got {value!r}")
         if self.prune_below is not None and (isinstance(self.prune_below, bool) or not (
                 isinstance(self.prune_below, (int, float)) and 0.0 < self.prune_below <= 1.0)):
             raise ValueError(f"RuntimeConfig: prune_below must be a probability in (0, 1], got {self.prune_below!r}")
+
+    @classmethod
+    def of(cls, runtime):
+        """None, a RuntimeConfig, or a dict of its fields (unknown keys refused by name) -> RuntimeConfig or None."""
+        if runtime is None or isinstance(runtime, cls):
+            return runtime
+        if isinstance(runtime, dict):
+            known = set(cls.__dataclass_fields__)
+            unknown = sorted(set(map(str, runtime)) - known)
+            if unknown:
+                raise ValueError(f"runtime: unknown RuntimeConfig field(s) {unknown}; known: {sorted(known)}")
+            return cls(**runtime)
+        raise ValueError(f"runtime must be None, a RuntimeConfig or a dict of its fields, got {type(runtime).__name__}")
 
 
 class RuntimePolicy:

@@ -17,11 +17,35 @@ def check_temperature(temperature, top_p=1.0):
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
+def check_seed(seed):
+    """None, or an integer-like (int, numpy or 0-d torch integer) in [0, 2**64): -> None or an int; else ValueError.
+
+    One seed drives one generator shared by the whole batch: a sampled prompt's tokens depend on the prompts beside
+    it in the batch (and on the tree), although each is distributed as the target. For samples that depend on a
+    prompt alone, run it alone with its own seed."""
+    if seed is None:
+        return None
+    if isinstance(seed, torch.Tensor):
+        if seed.dim() != 0 or seed.is_floating_point() or seed.is_complex() or seed.dtype == torch.bool:
+            raise ValueError(f"seed must be None or an int in [0, 2**64), got a {seed.dtype} tensor of shape "
+                             f"{tuple(seed.shape)}")
+        seed = seed.item()
+    if isinstance(seed, bool) or not hasattr(seed, "__index__"):
+        raise ValueError(f"seed must be None or an int in [0, 2**64), got {seed!r} ({type(seed).__name__})")
+    value = seed.__index__()
+    if not 0 <= value < 2 ** 64:
+        raise ValueError(f"seed must be an int in [0, 2**64), got {value}")
+    return value
+
+
 def logits_to_probs(logits, temperature=1.0, top_p=1.0):
     """logits [..., V] -> probs [..., V] (fp32 or fp64): softmax(logits / temperature), then top-p.
 
     The max logit is subtracted before dividing, so any temperature > 0 is safe: one too small to resolve the
-    logits' differences gives the limit (all mass on the argmax, shared between exact ties), never NaN.
+    logits' differences gives the limit (all mass on the argmax, shared between exact ties), never NaN. A
+    temperature below the logits' dtype's smallest normal number (1.2e-38 in fp32) would be 0 in that dtype (0 / 0 =
+    NaN at the argmax): the division then runs in fp64, by max(temperature, 2.2e-308), whose result is already the
+    limit for fp32 logits, and the probabilities come back in the logits' precision.
     top-p keeps the smallest set of most-probable ids whose mass reaches top_p (the id that crosses the
     threshold is kept; ties in probability keep the lower id first) and renormalises.
     """
@@ -29,8 +53,11 @@ def logits_to_probs(logits, temperature=1.0, top_p=1.0):
     if temperature == 0:
         raise ValueError("logits_to_probs: temperature must be > 0 (use greedy decoding for 0)")
     x = logits.double() if logits.dtype == torch.float64 else logits.float()
+    dtype = x.dtype
+    if temperature < torch.finfo(dtype).tiny:                           # 0 in x's dtype: divide in fp64
+        x, temperature = x.double(), max(temperature, torch.finfo(torch.float64).tiny)
     x = (x - x.amax(dim=-1, keepdim=True)) / temperature                # <= 0; -inf only far below the max
-    probs = torch.softmax(x, dim=-1)
+    probs = torch.softmax(x, dim=-1).to(dtype)
     if top_p < 1.0:
         sorted_p, idx = torch.sort(probs, dim=-1, descending=True, stable=True)
         before = torch.cumsum(sorted_p, dim=-1) - sorted_p          # mass strictly before each id
@@ -46,6 +73,7 @@ class Sampler:
 
     def __init__(self, temperature=0.0, top_p=1.0, seed=None, device="cpu"):
         check_temperature(temperature, top_p)
+        seed = check_seed(seed)
         self.temperature, self.top_p = float(temperature), float(top_p)
         self.greedy = temperature == 0
         self.gen = None

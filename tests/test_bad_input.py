@@ -83,3 +83,128 @@ def test_cli_generates_and_keeps_the_tuning_table_off_stdout():
     r = _cli("--prompt", "def quicksort(", "--max-new-tokens", "8", "--tree", "auto")
     assert r.returncode == 0, r.stderr.decode()[-2000:]
     assert "budget" not in r.stdout.decode() and "budget" in r.stderr.decode()
+
+
+# ---- the rest of what a hostile user found: temperature, seed, eos ids, runtime settings, block size ----------
+@pytest.mark.parametrize("t", [1e-46, 1e-300, 5e-324])
+def test_temperature_that_is_zero_in_float32_is_still_the_argmax(t):
+    """Below fp32's smallest normal number the temperature would be 0 there (0 / 0 = NaN at the argmax)."""
+    from mtp_triton.sampling import logits_to_probs
+    logits = torch.randn(5, 37, generator=torch.Generator().manual_seed(0))
+    probs = logits_to_probs(logits, t)
+    assert probs.dtype == torch.float32 and torch.isfinite(probs).all()
+    assert torch.equal(probs.argmax(-1), logits.argmax(-1)) and torch.equal(probs.max(-1).values, torch.ones(5))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return mt.load_model(TINY, dtype=torch.float32), mt.load_heads(os.path.join(TINY, "heads"))
+
+
+@pytest.mark.parametrize("mtp", [False, True], ids=["serial", "mtp"])
+def test_tiny_model_at_temperature_1e_46_is_greedy(tiny, mtp):
+    model, heads = tiny
+    greedy = mt.generate(model, [[5, 6, 7, 8]], 12, heads=heads, mtp=mtp).tokens
+    assert mt.generate(model, [[5, 6, 7, 8]], 12, heads=heads, mtp=mtp, temperature=1e-46, seed=0).tokens == greedy
+
+
+@pytest.mark.parametrize("bad", [2 ** 64, -1, 1.5, "1", True, [1], torch.tensor(1.0)],
+                         ids=["2**64", "negative", "float", "str", "bool", "list", "float-tensor"])
+def test_bad_seed_is_refused(model, bad):
+    with pytest.raises(ValueError, match="seed"):
+        mt.generate(model, [[1, 2, 3]], 4, temperature=0.8, seed=bad)
+
+
+@pytest.mark.parametrize("form", [np.int64(3), np.uint8(3), torch.tensor(3)], ids=["np.int64", "np.uint8", "tensor"])
+def test_integer_like_seeds_are_the_int(model, form):
+    want = mt.generate(model, [[5, 17, 33]], 8, temperature=0.9, seed=3, mtp=False).tokens
+    assert mt.generate(model, [[5, 17, 33]], 8, temperature=0.9, seed=form, mtp=False).tokens == want
+
+
+def test_numpy_eos_ids_work_like_a_list(model):
+    free = mt.generate(model, [[5, 17, 33]], 24, mtp=False).tokens[0]
+    eos = free[5]
+    want = free[:free.index(eos) + 1]
+    for form in (np.array([eos]), np.array([202, eos], dtype=np.int32), np.array(eos)):
+        assert mt.generate(model, [[5, 17, 33]], 24, mtp=False, eos_token_id=form).tokens[0] == want
+    with pytest.raises(ValueError, match="eos_token_id"):
+        mt.generate(model, [[5, 17, 33]], 4, eos_token_id=np.array([1.0]))
+
+
+@pytest.mark.parametrize("kw", [dict(cold_start_tokens="3"), dict(cold_start_tokens=1.5), dict(depth_window=0),
+                                dict(min_depth=True), dict(fallback_steps=-1), dict(start_depth=-1),
+                                dict(rise=float("nan")), dict(accept_up=1.5), dict(fallback_threshold="0.2")],
+                         ids=lambda kw: "-".join(f"{k}={v!r}" for k, v in kw.items()))
+def test_runtime_config_names_the_bad_field(kw):
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        mt.RuntimeConfig(**kw)
+
+
+def test_runtime_as_a_dict(model):
+    want = mt.generate(model, [[5, 17, 33]], 8, mtp=False, runtime=mt.RuntimeConfig(cold_start_tokens=2)).tokens
+    assert mt.generate(model, [[5, 17, 33]], 8, mtp=False, runtime={"cold_start_tokens": 2}).tokens == want
+    with pytest.raises(ValueError, match="cold_start"):
+        mt.generate(model, [[5, 17, 33]], 8, mtp=False, runtime={"cold_start": 2})
+    with pytest.raises(ValueError, match="runtime must be"):
+        mt.generate(model, [[5, 17, 33]], 8, mtp=False, runtime="cold_start_tokens=2")
+
+
+@pytest.mark.parametrize("bad", [2.5, 0, True, "16"])
+def test_bad_block_size_is_refused(model, bad):
+    with pytest.raises(ValueError, match="block_size"):
+        mt.generate(model, [[1, 2, 3]], 4, block_size=bad)
+
+
+def test_heads_of_another_hidden_size_are_refused_by_name(tmp_path):
+    from mtp_triton.demo import load_bundle
+    D = mt.load_model(TINY).config.hidden_size
+    mt.MTPHeads(2, D + 8).save(str(tmp_path / "heads"))
+    with pytest.raises(ValueError, match="hidden state of size"):
+        load_bundle(TINY, str(tmp_path / "heads"))
+
+
+# ---- the demo and generate commands: one error: line, exit status 2, before the model loads ---------------
+from cli_helpers import assert_refused, run_cli  # noqa: E402
+
+
+@pytest.mark.parametrize("args, words", [
+    (["demo", "--max-new-tokens", "0"], ["--max-new-tokens"]),
+    (["demo", "--per-category", "0"], ["--per-category"]),
+    (["demo", "--tree", "bogus"], ["bogus"]),
+    (["demo", "--prune-below", "0"], ["--prune-below"]),
+    (["generate", "--model", TINY, "--prompt", "x", "--max-new-tokens", "0"], ["--max-new-tokens"]),
+    (["generate", "--model", TINY, "--prompt", "x", "--seed", str(2 ** 64)], ["seed"]),
+    (["generate", "--model", TINY, "--prompt", "x", "--temperature", "0.7", "--top-p", "0"], ["top_p"]),
+], ids=["demo-max-new-0", "demo-per-category-0", "demo-tree-bogus", "demo-prune-0", "generate-max-new-0",
+        "generate-seed-2**64", "generate-top-p-0"])
+def test_demo_and_generate_refuse_bad_flags(args, words):
+    assert_refused(run_cli(*args), *words)
+
+
+@pytest.mark.parametrize("content, words", [
+    (None, ["no prompts file"]),
+    ('{"text": "a"}\n{"text": "b', ["prompts.jsonl:2", "torn"]),
+    ('{"prompt": "a"}\n', ["prompts.jsonl:1", "text"]),
+    (b'{"text": "\xff"}\n', ["UTF-8"]),
+], ids=["missing", "torn", "no-text", "not-utf8"])
+def test_demo_refuses_a_bad_prompts_file(tmp_path, content, words):
+    path = tmp_path / "prompts.jsonl"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content)
+    assert_refused(run_cli("demo", "--model", TINY, "--prompts", path, "--out", tmp_path / "out"), *words)
+
+
+def test_cli_tiny_temperature_prints_the_greedy_text():
+    greedy = run_cli("generate", "--model", TINY, "--prompt", "def f(", "--max-new-tokens", "6")
+    tiny = run_cli("generate", "--model", TINY, "--prompt", "def f(", "--max-new-tokens", "6", "--temperature",
+                   "1e-46", "--seed", "0")
+    assert greedy.returncode == tiny.returncode == 0, tiny.stderr[-2000:]
+    assert tiny.stdout == greedy.stdout
+
+
+def test_cli_one_token_output_says_tau_is_not_available():
+    r = run_cli("generate", "--model", TINY, "--prompt", "def f(", "--max-new-tokens", "1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "tau n/a" in r.stderr and "nan" not in r.stderr
