@@ -33,6 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .cli import int_at_least, run
+from .records import save_torch, write_json, write_text
+
 EOS = "<|endoftext|>"
 EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 
@@ -140,8 +143,7 @@ def cached_token_streams(tokenizer, docs, cache_dir):
     if os.path.exists(path):
         return torch.load(path)
     streams = {s: encode_split(tokenizer, docs, s) for s in ("train", "val")}
-    os.makedirs(cache_dir, exist_ok=True)
-    torch.save(streams, path)
+    save_torch(streams, path)                       # whole or not at all: a torn cache would be loaded next time
     return streams
 
 
@@ -204,8 +206,8 @@ def thirdparty_prompts(site_packages, packages=THIRDPARTY_PACKAGES, total=30, mi
 def main(argv=None):
     p = argparse.ArgumentParser(description="Describe the stdlib corpus; optionally train and save the tokenizer.")
     p.add_argument("--tokenizer-out", help="folder to save a freshly trained tokenizer to")
-    p.add_argument("--vocab-size", type=int, default=4096)
-    p.add_argument("--val-percent", type=int, default=5)
+    p.add_argument("--vocab-size", type=int_at_least(256), default=4096)
+    p.add_argument("--val-percent", type=int_at_least(1), default=5)
     p.add_argument("--stats-out", help="write the corpus statistics JSON here")
     p.add_argument("--prompts-out", help="write held-out third-party code prompts (JSONL) here and exit")
     p.add_argument("--site-packages", default=sysconfig.get_paths()["purelib"],
@@ -213,10 +215,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.prompts_out:
         rows = thirdparty_prompts(args.site_packages)
-        os.makedirs(os.path.dirname(os.path.abspath(args.prompts_out)), exist_ok=True)
-        with open(args.prompts_out, "w") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+        write_text(args.prompts_out, "".join(json.dumps(r) + "\n" for r in rows))
         print(f"wrote {len(rows)} prompts to {args.prompts_out}")
         return
     docs = collect_stdlib(val_percent=args.val_percent)
@@ -228,10 +227,9 @@ def main(argv=None):
             stats[f"{s}_tokens"] = int(encode_split(tok, docs, s).numel())
         stats["vocab_size"] = len(tok)
     if args.stats_out:
-        with open(args.stats_out, "w") as f:
-            json.dump(stats, f, indent=2)
+        write_json(args.stats_out, stats)
     print(json.dumps(stats, indent=2))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run(main))

@@ -22,6 +22,7 @@ from .cli import error, float_in, int_at_least
 from .generate import RuntimeConfig, generate
 from .heads import load_heads
 from .loading import load_model, load_tokenizer
+from .records import write_figure
 from .sampling import check_seed, check_temperature
 from .stats import format_tau
 from .tree import PRESETS, Tree, get_tree
@@ -309,7 +310,7 @@ def _plot(table, env, path):
     ax[1].set_title(f"tau = {table['all']['tau']:.2f} tokens / step, speedup {table['all']['speedup']:.2f}x",
                     fontsize=9)
     fig.tight_layout()
-    fig.savefig(path)
+    write_figure(fig, path)
     plt.close(fig)
 
 

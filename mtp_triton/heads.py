@@ -40,14 +40,17 @@ Files:
           torch.load(weights_only=True): tensors only, never an arbitrary unpickle.
 """
 import json
+import operator
 import os
-import pickle
 import re
 
 import torch
 from torch import nn
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
+from .cli import one_line
+from .loading import check_finite as check_finite_tensors
+from .records import write_bytes, write_json
 from .tree import Tree
 
 HEADS_FILE, MEDUSA_FILES = "heads.safetensors", ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
@@ -133,8 +136,10 @@ class MTPHeads(nn.Module):
     @tree.setter
     def tree(self, choices):
         if choices is not None:
-            choices = tuple(tuple(int(r) for r in c) for c in choices)
-            Tree.from_choices(choices, num_heads=self.num_heads)           # raises ValueError if malformed
+            if hasattr(choices, "__iter__") and not isinstance(choices, (str, bytes, dict)):
+                choices = list(choices)
+            Tree.from_choices(choices, num_heads=self.num_heads)   # ValueError unless a list of integer-rank paths
+            choices = tuple(tuple(operator.index(r) for r in c) for c in choices)
         self._tree = choices
 
     @property
@@ -217,14 +222,16 @@ class MTPHeads(nn.Module):
         return out
 
     def save(self, path, **meta):
-        """Write heads.safetensors + heads.json into the folder `path`; meta goes to heads.json."""
+        """Write heads.safetensors + heads.json into the folder `path`; meta goes to heads.json.
+
+        Both files are rendered in memory first (metadata that is not JSON raises before any file is touched),
+        then each is written atomically (`records.write_bytes`: temporary file, fsync, os.replace), tensors
+        first: a full disk or a file-size limit leaves the previous heads byte-identical."""
         if "tree" in meta:
             raise ValueError("MTPHeads.save: set heads.tree to store a tree, not a metadata key")
-        os.makedirs(path, exist_ok=True)
         tensors = {"res_weight": self.res_weight, "res_bias": self.res_bias, "lm_head": self.lm_head,
                    "token_map": self._token_map, "root_proj": self.root_proj, "token_proj": self.token_proj}
-        save_file({k: t.detach().contiguous().cpu() for k, t in tensors.items() if t is not None},
-                  os.path.join(path, HEADS_FILE))
+        data = save({k: t.detach().contiguous().cpu() for k, t in tensors.items() if t is not None})
         info = {"num_heads": self.num_heads, "hidden_size": self.hidden_size, "format": "mtp_triton.heads/1"}
         if self.lm_head is not None:
             info["vocab_size"] = self.vocab_size
@@ -237,8 +244,14 @@ class MTPHeads(nn.Module):
         if self._tree is not None:
             info["tree"] = [list(c) for c in self._tree]
         info.update(meta)
-        with open(os.path.join(path, "heads.json"), "w") as f:
-            json.dump(info, f, indent=2)
+        try:
+            json.dumps(info)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"MTPHeads.save: the metadata must be JSON-serialisable ({e}); nothing was written") \
+                from None
+        os.makedirs(path, exist_ok=True)
+        write_bytes(os.path.join(path, HEADS_FILE), data)
+        write_json(os.path.join(path, "heads.json"), info, indent=2)
 
 
 # ---- loading ----------------------------------------------------------------------------------------------
@@ -263,11 +276,16 @@ def _heads_file(path):
 def _read(file):
     """All tensors of a .safetensors or (weights only) .pt file."""
     if file.endswith(".pt"):
+        if os.path.getsize(file) == 0:
+            raise ValueError(f"load_heads: {file} is empty (0 bytes): an interrupted download or copy? Get the file "
+                             "again")
         try:
             sd = torch.load(file, map_location="cpu", weights_only=True)
-        except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
+        except Exception as e:        # a corrupted file makes the unpickler raise nearly anything (IndexError, ...)
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise ValueError(f"load_heads: {file} is not a plain state dict of tensors (torch.load(weights_only="
-                             f"True) refused it: {str(e).splitlines()[0]})") from None
+                             f"True) refused it: {one_line(first)}); the file may be truncated or corrupted, or "
+                             "hold more than tensors") from None
         if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
             raise ValueError(f"load_heads: {file} must hold a state dict (name -> tensor), got {type(sd).__name__}")
         return dict(sd)
@@ -300,33 +318,63 @@ def _medusa_tensors(sd, file):
         if set(parts) != {"0.linear.weight", "0.linear.bias", "1.weight"}:
             raise ValueError(f"load_heads: {file}: head {i} has {sorted(parts)}; expected 0.linear.weight, "
                              "0.linear.bias and 1.weight")
+    D, V = heads[0]["1.weight"].shape[1], heads[0]["1.weight"].shape[0] if heads[0]["1.weight"].dim() == 2 else -1
+    for i in range(H):                         # every head: the same hidden size D and vocabulary V as head 0
+        want = {"0.linear.weight": (D, D), "0.linear.bias": (D,), "1.weight": (V, D)}
+        for k, shape in want.items():
+            got = tuple(heads[i][k].shape)
+            if got != shape:
+                raise ValueError(f"load_heads: {file}: head {i} has {k} {got}, expected {shape} (head 0 has "
+                                 f"1.weight {tuple(heads[0]['1.weight'].shape)}: every head must read the same "
+                                 "hidden size and score the same vocabulary)")
     w = torch.stack([heads[i]["0.linear.weight"] for i in range(H)])
     b = torch.stack([heads[i]["0.linear.bias"] for i in range(H)])
     lm = torch.stack([heads[i]["1.weight"] for i in range(H)])
     return {"res_weight": w, "res_bias": b, "lm_head": lm}
 
 
+META_INTS = ("num_heads", "hidden_size", "vocab_size", "draft_vocab_size", "token_inputs")   # heads.json's counts
+
+
 def _read_meta(folder, H, D, file):
-    """heads.json next to our heads.safetensors ({} if absent), checked against the tensors."""
+    """heads.json next to our heads.safetensors ({} if absent): a JSON object in UTF-8 whose fields that describe
+    the tensors (META_INTS, root_input) have their types; num_heads and hidden_size are checked against the file."""
     meta_file = os.path.join(folder, "heads.json")
     if not os.path.exists(meta_file):
         return {}
     try:
-        with open(meta_file) as f:
+        with open(meta_file, encoding="utf-8") as f:
             meta = json.load(f)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"load_heads: {meta_file}: not UTF-8 text (byte {e.start}: {e.reason}); heads.json is "
+                         "JSON in UTF-8") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"load_heads: {meta_file}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"load_heads: {meta_file}: must hold a JSON object ({{\"num_heads\": ..., ...}}), got "
+                         f"{type(meta).__name__ if meta is not None else 'null'}")
+    for key in META_INTS:
+        v = meta.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            raise ValueError(f"load_heads: {meta_file}: {key} must be an int, got {v!r} (a {type(v).__name__})")
+    if not isinstance(meta.get("root_input", False), bool):
+        raise ValueError(f"load_heads: {meta_file}: root_input must be true or false, got {meta['root_input']!r}")
     if meta.get("num_heads", H) != H or meta.get("hidden_size", D) != D:
         raise ValueError(f"load_heads: {meta_file} says {meta.get('num_heads')} heads of size "
                          f"{meta.get('hidden_size')}, but {file} holds {H} of size {D}")
     return meta
 
 
-def load_heads(path, device=None, dtype=None):
+def load_heads(path, device=None, dtype=None, *, check_finite=True):
     """Load heads: a folder or file saved by `MTPHeads.save` / the training script, or a Medusa checkpoint
-    (a folder with medusa_lm_head.safetensors / .pt, or the file itself). dtype None keeps the file's."""
+    (a folder with medusa_lm_head.safetensors / .pt, or the file itself). dtype None keeps the file's.
+
+    Bad files raise a ValueError naming the file (and the tensor or heads.json field) and what is wrong.
+    check_finite: refuse tensors holding NaN/Inf (a corrupted file drafts garbage), as `load_model` does."""
     file, kind = _heads_file(path)
     tensors = _read(file)
+    if check_finite:
+        check_finite_tensors(tensors, file)
     if kind == "auto":                       # a .safetensors under another name: ours or Medusa's, by its keys
         kind = "mtp" if "res_weight" in tensors else "medusa"
     if kind == "medusa":
@@ -348,7 +396,14 @@ def load_heads(path, device=None, dtype=None):
     if tp is not None and (tp.dim() != 3 or tuple(tp.shape[1:]) != (D, D) or not 1 <= tp.shape[0] < H):
         raise ValueError(f"load_heads: {file}: bad shape token_proj {tuple(tp.shape)}, expected [Q, {D}, {D}] with "
                          f"1 <= Q < {H}")
+    meta_file = os.path.join(os.path.dirname(file), "heads.json")
     meta = _read_meta(os.path.dirname(file), H, D, file) if kind == "mtp" else {}
+    for key, n, what in (("vocab_size", None if lm is None else lm.shape[1], "lm_head"),
+                         ("draft_vocab_size", None if tensors.get("token_map") is None else
+                          tensors["token_map"].numel(), "token_map")):
+        if meta.get(key) is not None and meta[key] != n:
+            raise ValueError(f"load_heads: {meta_file} says {key} {meta[key]}, but {file} has "
+                             f"{f'{what} for {n}' if n is not None else f'no {what}'}")
     if meta.get("root_input") and rp is None:
         raise ValueError(f"load_heads: {file}: heads.json says root_input but the file has no root_proj")
     if meta.get("token_inputs", 0) != (0 if tp is None else tp.shape[0]):
@@ -359,9 +414,12 @@ def load_heads(path, device=None, dtype=None):
     heads.meta = dict(meta)
     try:
         heads.token_map = tensors.get("token_map")
-        heads.tree = meta.get("tree")
     except ValueError as e:
         raise ValueError(f"load_heads: {file}: {e}") from None
+    try:
+        heads.tree = meta.get("tree")
+    except ValueError as e:
+        raise ValueError(f"load_heads: {meta_file}: tree: {e}") from None
     with torch.no_grad():
         heads.res_weight.copy_(w)
         heads.res_bias.copy_(b)

@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import tempfile
 
 import torch
@@ -85,6 +86,7 @@ def env_info(device=None):
 # ---- CSV rows -----------------------------------------------------------------------------------------------
 def append_rows(path, rows):
     """Append dict rows to a CSV; the header is the union of the keys (an existing header is extended).
+    Returns the number of torn rows dropped from the file (see below; normally 0).
 
     Whatever happens during the write (Ctrl-C, a full disk, a file-size limit), the file keeps its previous
     bytes, or holds them plus all the new rows; never a torn row:
@@ -92,25 +94,152 @@ def append_rows(path, rows):
         off again (ftruncate to the old size) if that write fails;
       * the header must grow: everything is written to a temporary file in the same folder, which then replaces
         the old file in one rename (os.replace); on failure the temporary file is removed.
+    Several processes may append to one CSV at once: each write holds an exclusive flock on the CSV itself while it
+    reads the header and appends or rewrites, so no writer drops another's rows.
+    A torn row (one with another number of fields than the header: a writer killed mid-row by kill -9 or a power
+    loss) is dropped when the file is rewritten, with a note on stderr naming the file; read_rows never returns one.
     """
     rows = [dict(r) for r in rows]
     if not rows:
-        return
+        return 0
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    header = _header(path)
-    keys = list(header or [])
-    for r in rows:
-        keys += [k for k in r if k not in keys]
-    if header and keys == header and _ends_with_newline(path):
-        _append_bytes(path, _render(header, rows, with_header=False))
-    else:
-        old = read_rows(path) if header else []
-        _replace(path, _render(keys, [{k: v for k, v in r.items() if k is not None} for r in old] + rows))
+    with _csv_lock(path, exclusive=True):
+        header = _header(path)
+        keys = list(header or [])
+        for r in rows:
+            keys += [k for k in r if k not in keys]
+        if header and keys == header and _ends_with_newline(path):
+            _append_bytes(path, _render(header, rows, with_header=False))
+            return 0
+        old, torn = _parse(path) if header else ([], 0)
+        _replace(path, _render(keys, old + rows))
+    if torn:
+        print(f"note: dropped {torn} torn row(s) from {path} (a run stopped in the middle of writing them)",
+              file=sys.stderr)
+    return torn
 
 
 def read_rows(path):
+    """The whole rows of a CSV as dicts of strings (header -> value); torn rows are left out (read_whole_rows)."""
+    return read_whole_rows(path)[0]
+
+
+def read_whole_rows(path):
+    """(whole rows, number of torn rows left out) of a CSV. A torn row has another number of fields than the header
+    (a row cut mid-line by kill -9 or a power loss); blank lines are skipped. A last row with every field but no
+    line end is whole (other tools may omit the last line end)."""
+    with _csv_lock(path, exclusive=False):
+        return _parse(path)
+
+
+def resume_rows(path, log=print):
+    """--resume: the whole rows of `path` ([] when there is no such file); when torn rows were left out,
+    log(one line) says how many, so that the requests they belonged to visibly run again."""
+    if not os.path.exists(path):
+        return []
+    rows, torn = read_whole_rows(path)
+    if torn:
+        log(f"--resume: {torn} torn row(s) in {path} left out (a run stopped while writing them); their requests "
+            "run again")
+    return rows
+
+
+class KeptRows:
+    """--resume: the rows an earlier run wrote, by key(row) (a later row with the same key wins). A unit of work
+    (a request, a prompt's configurations, a suite) is reused only if every row it needs is there: take()."""
+
+    def __init__(self, rows, key):
+        self.by_key = {}
+        for r in rows:
+            self.by_key[key(r)] = r
+        self.used = 0                         # rows handed out by take()
+
+    def take(self, *keys):
+        """The kept rows of these keys if all are there (they count as used), else None: run the unit again."""
+        rows = [self.by_key.get(k) for k in keys]
+        if not rows or any(r is None for r in rows):
+            return None
+        self.used += len(rows)
+        return rows
+
+    def matching(self, test):
+        """The kept rows whose key passes test(key), counted as used (a unit whose rows are not known ahead)."""
+        rows = [r for k, r in self.by_key.items() if test(k)]
+        self.used += len(rows)
+        return rows
+
+
+def _parse(path):
     with open(path, newline="", encoding="utf-8") as f:
-        return list(csv.DictReader(f))
+        reader = csv.reader(f)
+        header = next(reader, None)
+        rows, torn = [], 0
+        if not header:
+            return rows, torn
+        while True:
+            try:
+                fields = next(reader)
+            except StopIteration:
+                break
+            except csv.Error:                           # e.g. a NUL byte or an unfinished quote: a torn row
+                torn += 1
+                continue
+            if not fields:
+                continue
+            if len(fields) != len(header):
+                torn += 1
+                continue
+            rows.append(dict(zip(header, fields)))
+    return rows, torn
+
+
+@contextlib.contextmanager
+def _csv_lock(path, exclusive):
+    """Hold an flock on the CSV itself (exclusive for a write, shared for a read); a write creates it empty if
+    missing, a read of a missing file raises FileNotFoundError.
+
+    A rewrite replaces the file (os.replace), so a writer that waited on the old file's lock finds another file at
+    `path` once it gets the lock: it then locks the new one instead. An empty file this call created is removed
+    again when the write fails. No locking where fcntl is missing (Windows)."""
+    try:
+        import fcntl
+    except ImportError:                                            # pragma: no cover - not POSIX
+        yield
+        return
+    while True:
+        created = False
+        try:
+            if not exclusive:
+                raise FileExistsError                              # a read never creates the file
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, _mode_of(path))
+            created = True
+        except FileExistsError:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                if not exclusive:
+                    raise                                          # reading a missing file
+                continue                                           # removed meanwhile: try again
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            mine = os.fstat(fd)
+            try:
+                now = os.stat(path)
+            except FileNotFoundError:
+                now = None
+            if now is None or (now.st_dev, now.st_ino) != (mine.st_dev, mine.st_ino):
+                continue                                           # replaced while we waited: lock the new file
+            try:
+                yield
+            except BaseException:
+                if created and os.fstat(fd).st_size == 0:
+                    with contextlib.suppress(OSError):
+                        if os.stat(path).st_ino == mine.st_ino:
+                            os.unlink(path)
+                raise
+            return
+        finally:
+            os.close(fd)
 
 
 def _header(path):
@@ -218,6 +347,13 @@ def ensure_writable_dir(path):
                       "Choose another --out, or fix its permissions.") from e
     return path
 
+
+
+def write_figure(fig, path, **savefig_kw):
+    """A matplotlib figure's image (format from the file's extension) through write_bytes."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format=os.path.splitext(path)[1].lstrip(".") or "png", **savefig_kw)
+    return write_bytes(path, buf.getvalue())
 
 # ---- one writer per output folder -------------------------------------------------------------------------
 @contextlib.contextmanager

@@ -29,6 +29,9 @@ curve from the logged rows); `frozen` also writes `accuracy.json` next to the he
 """
 import argparse
 import importlib
+import sys
+
+from mtp_triton.cli import run
 
 # The pieces, importable from here as before (mtp_triton.training.* is where they live).
 from mtp_triton.training.data import load_text_files, prompt_ids, random_windows, token_streams  # noqa: F401
@@ -38,7 +41,7 @@ from mtp_triton.training.frozen import frozen_head_losses, train_frozen  # noqa:
 from mtp_triton.training.hidden import (autocast, base_argmax, cache_hidden, final_hidden,  # noqa: F401
                                         greedy_continue, head_z, init_from)
 from mtp_triton.training.joint import build_llama, train_joint  # noqa: F401
-from mtp_triton.training.loop import Recorder, lr_at, plot_curve, plot_curve_csv, write_json  # noqa: F401
+from mtp_triton.training.loop import Recorder, lr_at, plot_curve, plot_curve_csv  # noqa: F401
 
 # subcommand: (module with add_arguments(parser), the function it runs, help). One line per subcommand.
 SUBCOMMANDS = {
@@ -70,4 +73,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run(main))

@@ -12,8 +12,20 @@ Example:
 """
 from dataclasses import dataclass
 import heapq
+import operator
 
 import torch
+
+
+def _rank(r, path):
+    """A top-k rank as an int; ValueError for anything but an integer (bools and floats included)."""
+    if isinstance(r, bool) or getattr(r, "dtype", None) == torch.bool:
+        raise ValueError(f"Tree: ranks must be integers, got {r!r} in {path!r}")
+    try:
+        return operator.index(r)
+    except TypeError:
+        raise ValueError(f"Tree: ranks must be integers, got {r!r} ({type(r).__name__}) in {path!r}; a float "
+                         "rank is not rounded") from None
 
 
 @dataclass(frozen=True)
@@ -40,13 +52,18 @@ class Tree:
 
     @classmethod
     def from_choices(cls, choices, top_k=None, num_heads=None):
-        """Build from Medusa-style choices: an iterable of rank paths, e.g. [(0,), (1,), (0, 0)]."""
+        """Build from Medusa-style choices: an iterable of rank paths, e.g. [(0,), (1,), (0, 0)].
+
+        Ranks must be integers (int, numpy or torch integers): a float, bool, string or None is refused, never
+        truncated (0.7 is not rank 0)."""
+        if isinstance(choices, (str, bytes, dict)) or not hasattr(choices, "__iter__"):
+            raise ValueError(f"Tree: choices must be a list of paths (tuples of top-k ranks, e.g. [[0], [1], [0, 0]]), "
+                             f"got {choices!r}")
         paths = []
         for c in choices:
-            try:
-                path = tuple(int(r) for r in c)
-            except TypeError:
-                raise ValueError(f"Tree: each choice must be a tuple of ranks, got {c!r}") from None
+            if isinstance(c, (str, bytes, dict)) or not hasattr(c, "__iter__"):
+                raise ValueError(f"Tree: each choice must be a tuple of ranks, got {c!r}")
+            path = tuple(_rank(r, c) for r in c)
             if len(path) == 0:
                 raise ValueError("Tree: the empty path is the root; leave it out of the choices")
             if any(r < 0 for r in path):
@@ -143,13 +160,28 @@ TYPICAL_ACC = [[0.6 * 0.75 ** h * 0.5 ** r for r in range(10)] for h in range(4)
 PRESETS = {f"chain-{n}": [(0,) * d for d in range(1, n + 1)] for n in (1, 2, 3, 4, 5, 8)}
 for _n in (8, 16, 32, 64):
     PRESETS[f"medusa-{_n}"] = list(Tree.from_accuracies(TYPICAL_ACC, _n).paths[1:])
-DEFAULT_TREE = "medusa-16"
+DEFAULT_TREE, DEFAULT_BUDGET = "medusa-16", 16
+
+
+def default_tree(num_heads=None):
+    """The package default: medusa-16, the best 16-node tree for TYPICAL_ACC (3 deep). For fewer heads than it
+    needs, the best 16-node tree for the first num_heads heads of that profile (at most 10 ranks a head), so the
+    default fits any heads; for 3 or more heads it is medusa-16 itself."""
+    preset = Tree.from_choices(PRESETS[DEFAULT_TREE])
+    if num_heads is None or preset.max_depth <= num_heads:
+        return preset
+    if num_heads < 1:
+        raise ValueError(f"the default tree needs at least one head, got num_heads={num_heads}")
+    return Tree.from_accuracies(TYPICAL_ACC[:num_heads], DEFAULT_BUDGET)
 
 
 def get_tree(tree, num_heads=None):
-    """A Tree from a Tree, a preset name, or a list of choices; checked against num_heads."""
+    """A Tree from a Tree, a preset name, or a list of choices; checked against num_heads.
+
+    None: `default_tree(num_heads)`, which always fits the heads. A named preset or given choices that are
+    deeper than the heads are refused (never cut silently)."""
     if tree is None:
-        tree = DEFAULT_TREE
+        return default_tree(num_heads)
     if isinstance(tree, str):
         if tree not in PRESETS:
             raise ValueError(f"unknown tree preset {tree!r}; presets: {sorted(PRESETS)}")

@@ -16,6 +16,7 @@ from collections import defaultdict
 
 from mtp_triton.demo import summarise_rows
 from mtp_triton.bench.pruning import summarise_rows as summarise_prune_rows
+from mtp_triton.records import write_text
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEGIN, END = "<!-- results:begin (scripts/render_readme_results.py) -->", "<!-- results:end -->"
@@ -226,8 +227,7 @@ def main(argv=None):
     new = text[:a] + "\n" + render() + text[b:]
     if "--check" in argv:
         return 0 if new == text else 1
-    with open(path, "w") as f:
-        f.write(new)
+    write_text(path, new)                           # replaced whole: an interrupted render leaves README.md as it was
     return 0
 
 

@@ -239,8 +239,10 @@ def test_retree_chooses_and_stores_a_tree_without_touching_the_weights(tmp_path,
             str(files["report"]), "--work", str(tmp_path / "work"), "--max-new-tokens", "24", "--budgets", "1,2,4",
             "--reps", "1", "--threads", "1"]
     with pytest.raises(ValueError, match="must not be used to choose"):
-        main(argv + ["--never-tune", "tune"])
-    info = main(argv + ["--min-speedup", "0.01"])        # every candidate qualifies: the most accepting one wins
+        main(argv + ["--never-tune", str(files["tune"])])
+    info = main(argv + ["--min-speedup", "0.01", "--never-tune", os.path.join(ROOT, "data", "chat",
+                                                                              "heldout_chat.jsonl")])
+    # (every candidate qualifies: the most accepting one wins)
     meta = json.loads((folder / "heads.json").read_text())
     assert (folder / "heads.safetensors").read_bytes() == weights
     assert meta["tuning_by"] == "retree" and [r["budget"] for r in meta["tuning"]] == [1, 2, 4]
@@ -255,3 +257,15 @@ def test_retree_chooses_and_stores_a_tree_without_touching_the_weights(tmp_path,
     ids = [r["prompt_ids"] for r in rows[:2]]
     assert mt.generate(model, ids, 16, heads=stored).tokens == mt.generate(model, ids, 16, mtp=False).tokens
     assert os.path.exists(folder / "records" / "retree.json")
+
+
+def test_retree_guard_compares_prompt_texts_not_file_names():
+    """A tuning set is refused when it shares a prompt with a protected set, however the prompt is cased or spaced
+    and whatever the files are called; sets with no prompt in common pass, and the message names both files."""
+    from mtp_triton.training.retree import prompt_hash, refuse_protected_prompts
+    held = {"held.jsonl": [dict(id="h1", text="How do I sort a list?"), dict(id="h2", text="Write a poem.")]}
+    assert prompt_hash("  HOW do i\n sort a  LIST?") == prompt_hash("How do I sort a list?")
+    assert prompt_hash("Straße") == prompt_hash("STRASSE")                     # case-folded, not only lower-cased
+    refuse_protected_prompts({"mine.jsonl": [dict(id="m1", text="How do I sort a dict?")]}, held)
+    with pytest.raises(ValueError, match=r"mine\.jsonl shares 1 prompt.*held\.jsonl.*'m2' = 'h2'"):
+        refuse_protected_prompts({"mine.jsonl": [dict(id="m1", text="x"), dict(id="m2", text="write A POEM.")]}, held)

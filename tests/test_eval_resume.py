@@ -132,6 +132,24 @@ def test_resume_runs_only_the_unfinished_requests(tmp_path, monkeypatch):
     assert [r["section"] for r in rows].count("compat") == 1
 
 
+def test_resume_after_a_torn_last_row_runs_its_request_again(earlier, tmp_path, capsys):
+    """kill -9 in the middle of a row: the last row of eval.csv is cut mid-line. --resume leaves it out and says so,
+    runs its request again (both modes), and leaves whole rows only; so does every later --resume."""
+    out, before = copy_of(earlier, tmp_path)
+    path = os.path.join(out, "eval.csv")
+    lines = before.split(b"\r\n")
+    last_ab = max(i for i, r in enumerate(read_csv(path)) if r["section"] == "ab") + 1       # line 0: the header
+    with open(path, "wb") as f:                           # the rows up to the last A/B row, which is cut mid-line
+        f.write(b"\r\n".join(lines[:last_ab]) + b"\r\n" + lines[last_ab][: len(lines[last_ab]) // 2])
+    args = ["eval", *QUICK, "--long-run", "20", "--out", out, "--resume"]
+    assert cli(args) == 0
+    assert "1 torn row(s) in" in capsys.readouterr().err
+    rows = assert_whole_rows(path, b"\r\n".join(lines[:last_ab]) + b"\r\n")
+    ab = [(r["item"], r["mode"]) for r in rows if r["section"] == "ab"]
+    assert len(ab) == 5 and len(set(ab)) == 4             # 3 kept rows, the cut item's pair run again
+    assert cli(args) == 0 and "torn" not in capsys.readouterr().err
+
+
 def test_resume_of_a_finished_run_runs_nothing(earlier, tmp_path, monkeypatch):
     out, before = copy_of(earlier, tmp_path)
     calls = []

@@ -156,3 +156,45 @@ def test_prune_command_on_the_tiny_model(tmp_path, capsys):
     assert "| mtp p>=0.5 |" in capsys.readouterr().out
     assert main(args + ["--thresholds", "1.5"]) == 2
     assert "prune_below" in capsys.readouterr().err
+
+
+def test_prune_keeps_finished_prompts_on_ctrl_c_and_resumes(tmp_path, monkeypatch, capsys):
+    """Rows are appended as each prompt finishes: Ctrl-C in the 2nd prompt keeps the 1st prompt's rows, exits 130
+    with one line saying how to go on; --resume then runs only the 2nd and 3rd prompts."""
+    import csv
+    import json
+    from mtp_triton.bench import pruning
+    from mtp_triton.bench.common import EMBEDDED
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(dict(text=f"def f{k}(x):", category=f"c{k}")) + "\n" for k in range(3)))
+    out = tmp_path / "prune"
+    args = ["--model", EMBEDDED, "--prompts", str(prompts), "--per-category", "1", "--max-new-tokens", "4",
+            "--thresholds", "0.5", "--out", str(out)]
+    real, calls = pruning.generate, []
+
+    def interrupt_at(n):
+        def gen(*a, **kw):
+            calls.append(1)
+            if len(calls) == n:
+                raise KeyboardInterrupt
+            return real(*a, **kw)
+        return gen
+    monkeypatch.setattr(pruning, "generate", interrupt_at(3 + 3 + 1))     # warm-up 3, prompt 1, then in prompt 2
+    capsys.readouterr()
+    try:
+        assert pruning.main(args) == 130
+    except KeyboardInterrupt:
+        pytest.fail("prune let the KeyboardInterrupt through instead of keeping the rows and exiting 130")
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and "--resume" in err and "prune.csv" in err
+    first = list(csv.DictReader(open(out / "prune.csv")))
+    assert [r["config"] for r in first] == ["serial", "mtp", "mtp p>=0.5"] and first[0]["category"] == "c0"
+
+    calls.clear()
+    monkeypatch.setattr(pruning, "generate", interrupt_at(0))             # count only
+    assert pruning.main(args + ["--resume"]) == 0
+    assert len(calls) == 3 + 2 * 3                                        # warm-up, then the 2 prompts not done
+    rows = list(csv.DictReader(open(out / "prune.csv")))
+    keys = [(r["prompt_hash"], r["config"]) for r in rows]
+    assert len(rows) == 9 and len(set(keys)) == 9 and all(r["identical"] == "True" for r in rows)
+    assert "(3 rows kept from earlier runs)" in capsys.readouterr().out

@@ -238,6 +238,38 @@ def test_smollm2_switch(monkeypatch, tmp_path):
     assert tables.main(["--shape", "--no-smollm2", "--out", str(tmp_path)]) == 2        # nothing to measure
 
 
+def test_tables_ctrl_c_keeps_the_finished_suites_and_resume_runs_the_rest(tiny, tmp_path, monkeypatch, capsys):
+    """Ctrl-C in the 2nd suite: the 1st suite's rows are in tables.csv, exit 130 with one line saying how to go on;
+    --resume measures only the 2nd suite, and tables.md shows both."""
+    model, prompts = tiny
+    heads = mt.init_heads(model, 4, seed=1)
+    monkeypatch.setattr(e2e, "load_target", lambda shape, *a, **kw: e2e.Target(shape, model, prompts, f"{shape} "
+                                                                               "stand-in", heads=heads))
+    measured = []
+
+    def fake_suite(target, draftings, n, **kw):
+        measured.append(target.suite)
+        if target.suite == "llama7b" and len(measured) == 2:
+            raise KeyboardInterrupt
+        return [dict(e2e.env_info(), run_id=kw["run_id"], **target.row(), table="sweep", drafter="d",
+                     config="serial", tokens_per_s=10.0, speedup=1.0)]
+    monkeypatch.setattr(tables, "suite_rows", fake_suite)
+    args = ["--quick", "--shape", "embedded", "llama7b", "--out", str(tmp_path)]
+    capsys.readouterr()
+    try:
+        assert tables.main(args) == 130
+    except KeyboardInterrupt:
+        pytest.fail("tables let the KeyboardInterrupt through")
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and "--resume" in err, err
+    assert [r["suite"] for r in csv.DictReader(open(tmp_path / "tables.csv"))] == ["embedded"]
+    assert tables.main(args + ["--resume"]) == 0 and measured == ["embedded", "llama7b", "llama7b"]
+    assert [r["suite"] for r in csv.DictReader(open(tmp_path / "tables.csv"))] == ["embedded", "llama7b"]
+    md = (tmp_path / "tables.md").read_text()
+    assert "embedded stand-in" in md and "llama7b stand-in" in md
+    assert tables.main(args + ["--resume"]) == 0 and len(measured) == 3      # all kept: nothing measured
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not e2e.smollm2_installed() or not os.path.exists(ROOT / "data" / "smollm2-135m-instruct-heads"),
                     reason="needs the SmolLM2 package and its trained heads")

@@ -24,6 +24,8 @@ import random
 import re
 import textwrap
 
+from mtp_triton.records import write_text
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SEED = 20261201
 
@@ -284,9 +286,7 @@ def main():
     train = [r for r in rows if not is_heldout(r["id"])]
     held = [r for r in rows if is_heldout(r["id"])]
     for name, part in (("train.jsonl", train), ("heldout_templated.jsonl", held)):
-        with open(os.path.join(HERE, name), "w") as f:
-            for r in part:
-                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        write_text(os.path.join(HERE, name), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in part))
     counts = {}
     for r in rows:
         counts[r["category"]] = counts.get(r["category"], 0) + 1

@@ -26,6 +26,8 @@ import re
 import sysconfig
 from importlib import metadata
 
+from mtp_triton.records import write_text
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 # Pure-Python third-party packages to draw from (none is a copy or back-port of a stdlib module).
@@ -296,9 +298,8 @@ def main(argv=None):
     a = ap.parse_args(argv)
     sets = build(a.seed)
     for name, rows in sets.items():
-        with open(os.path.join(a.out, f"{name}.jsonl"), "w", encoding="utf-8") as f:
-            for r in rows:
-                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        write_text(os.path.join(a.out, f"{name}.jsonl"), "".join(json.dumps(r, ensure_ascii=False) + "\n"
+                                                                 for r in rows))
         print(f"{name}: {len(rows)} items, max_new_tokens {sorted({r['max_new_tokens'] for r in rows})}, "
               f"max stdlib overlap {max(r['stdlib_line_overlap'] for r in rows):.2f}")
 

@@ -6,6 +6,8 @@ import hashlib
 import json
 import os
 
+from mtp_triton.records import write_text
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -225,8 +227,7 @@ def main():
              + ("The tree is a property of the machine as much as of the heads: re-run `train_heads retree` where "
                 "they will decode, or pass `--tree auto` to the demo. " if retree else "")
              ).rstrip() + "\n")
-    with open(os.path.join(HERE, "README.md"), "w") as f:
-        f.write("\n".join(L))
+    write_text(os.path.join(HERE, "README.md"), "\n".join(L))      # replaced whole, or left as it was
 
 
 def tuning_table(meta):

@@ -7,6 +7,8 @@ import json
 import os
 import sys
 
+from mtp_triton.records import write_text
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REC = os.path.join(HERE, "records")
 
@@ -259,8 +261,7 @@ Python {corpus.get('python')}; the `eval` step: {', '.join(f'{k} {v}' for k, v i
 | file | sha256 | bytes |
 |---|---|---|
 """ + "\n".join(f"| `{r}` | `{h}` | {s} |" for r, h, s in sums) + "\n"
-    with open(os.path.join(HERE, "README.md"), "w") as f:
-        f.write(md)
+    write_text(os.path.join(HERE, "README.md"), md)                 # replaced whole, or left as it was
     print(f"wrote {os.path.join(HERE, 'README.md')} ({len(sums)} files, {total / 2 ** 20:.1f} MiB)")
 
 

@@ -28,6 +28,8 @@ import sys
 import tempfile
 import time
 
+from ..cli import int_at_least
+from ..records import ensure_writable_dir
 from .hardware import ARCHS
 
 
@@ -63,9 +65,8 @@ def run_workers(targets, quick, jobs=1):
     return merged
 
 
-def main(argv=None):
-    from . import report
-    argv = sys.argv[1:] if argv is None else list(argv)
+def build_parser():
+    """The `aot` command line (every number range-checked by argparse)."""
     ap = argparse.ArgumentParser(prog="python -m mtp_triton aot", description=__doc__.split("\n\n")[0],
                                  epilog=__doc__.split("\n\n")[-1], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="results/aot", help="folder for aot.csv and aot.md (default results/aot)")
@@ -73,11 +74,20 @@ def main(argv=None):
     ap.add_argument("--targets", default="auto",
                     help=f"comma-separated subset of {','.join(ARCHS)}; auto (default): all of them, each used only "
                          "if the bundled ptxas supports it")
-    ap.add_argument("--jobs", type=int, default=1, help="worker processes (targets are split between them)")
+    ap.add_argument("--jobs", type=int_at_least(1), default=1,
+                    help="worker processes (targets are split between them)")
     ap.add_argument("--baseline", default=None, metavar="CSV",
                     help="an earlier audit's aot.csv (read before OUT is written, so it may be OUT/aot.csv): aot.md "
                          "then compares compiled variants (recompiles) before and now on the calls both made")
+    return ap
+
+
+def main(argv=None):
+    from . import report
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ap = build_parser()
     a = ap.parse_args(argv)
+    ensure_writable_dir(a.out)                    # a bad --out (a file, no permission) fails now, not after compiling
     baseline = None
     if a.baseline:
         if not os.path.exists(a.baseline):

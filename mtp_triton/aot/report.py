@@ -1,9 +1,10 @@
 """The audit's outputs: aot.csv (one row per launch and target, with the environment stamp) and aot.md (summary
 tables made from those rows), and the rule that decides the exit status."""
 import csv
-import os
+import io
 from collections import defaultdict
 
+from ..records import write_bytes, write_text
 from .cubin import issue_cycles
 from .hardware import PRODUCTS, SCHEDULERS_PER_SM, products_of
 
@@ -93,14 +94,15 @@ def exit_status(rows):
 
 
 def write_csv(path, rows, env):
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    """aot.csv: one row per launch, the environment stamp in every row; replaced whole (records.write_bytes)."""
     extra = sorted({k for r in rows for k in r} - set(CSV_COLUMNS) - set(ENV_COLUMNS))
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS + extra + ENV_COLUMNS, extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            values = {k: ("" if v is None else v) for k, v in r.items()}
-            w.writerow({**values, **{k: env.get(k, "") for k in ENV_COLUMNS}})
+    buf = io.StringIO(newline="")
+    w = csv.DictWriter(buf, fieldnames=CSV_COLUMNS + extra + ENV_COLUMNS, extrasaction="ignore")
+    w.writeheader()
+    for r in rows:
+        values = {k: ("" if v is None else v) for k, v in r.items()}
+        w.writerow({**values, **{k: env.get(k, "") for k in ENV_COLUMNS}})
+    write_bytes(path, buf.getvalue().encode("utf-8"))
 
 
 def read_csv(path):
@@ -356,6 +358,4 @@ def write_md(path, result, command, seconds, baseline=None):
                         *[f"floor µs {p} ({PRODUCTS[p].hbm_bytes_per_s / 1e12:g} TB/s)" for p in PRODUCTS]],
                        lines), ""]
     md += ["## Sources", "", *[f"- {p.name}: {p.source}" for p in PRODUCTS.values()], ""]
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        f.write("\n".join(md))
+    write_text(path, "\n".join(md))

@@ -5,7 +5,6 @@ Runs as `python -m mtp_triton.aot.worker --targets sm_80,sm_90 --rows rows.json 
 @triton.jit functions, which Triton decides when a kernel module is imported).
 """
 import argparse
-import json
 import math
 import sys
 import time
@@ -13,7 +12,8 @@ import time
 import triton
 import triton.language as tl
 
-from ..bench.common import env_info
+from ..cli import run
+from ..records import env_info, write_json
 from . import cubin
 from .driver import gpu_session
 from .hardware import ARCHS, products_of, blocks_per_sm, waves
@@ -160,10 +160,9 @@ def main(argv=None):
             print(f"[aot] {name}: skipped ({why})")
         entry["seconds"] = round(time.perf_counter() - t0, 1)
         targets.append(entry)
-    with open(a.rows, "w") as f:
-        json.dump(dict(env=env, targets=targets, rows=rows, n_cases=len(cases)), f)
+    write_json(a.rows, dict(env=env, targets=targets, rows=rows, n_cases=len(cases)), indent=None)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(main))

@@ -1,5 +1,6 @@
 """Shared benchmark plumbing: paths, trees by name, command-line pieces, figures, timing and measured copy bandwidth.
 The environment stamp, CSV rows and atomic writes live in mtp_triton.records (re-exported here)."""
+import io
 import os
 import sys
 import time
@@ -7,8 +8,9 @@ import time
 import torch
 
 from ..cli import int_at_least  # noqa: F401  (re-exported for bench code)
-from ..records import (append_rows, cpu_model_and_flags, device_name, ensure_writable_dir, env_info,  # noqa: F401
-                       git_commit, read_rows, write_bytes, write_json, write_text)
+from ..records import (KeptRows, append_rows, cpu_model_and_flags, device_name, ensure_writable_dir,  # noqa: F401
+                       env_info, git_commit, output_lock, read_rows, read_whole_rows, resume_rows, write_bytes,
+                       write_json, write_text)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))     # the repository
 EMBEDDED = os.path.join(ROOT, "data", "tiny-stdlib-llama")                               # the embedded model
@@ -90,10 +92,13 @@ def interpreter_unless_cuda(module, argv):
 
 
 def save_figure(fig, path, close=False, **savefig_kw):
-    """tight_layout, create the folder, save at 80 dpi; close=True for pyplot figures the caller is done with."""
+    """tight_layout, save at 80 dpi through write_bytes (an interrupted save leaves the old image whole; the folder
+    is created); the format follows the file's extension (png without one). close=True for pyplot figures the
+    caller is done with."""
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=80, **savefig_kw)
+    buf = io.BytesIO()
+    fig.savefig(buf, format=os.path.splitext(str(path))[1][1:].lower() or "png", dpi=80, **savefig_kw)
+    write_bytes(path, buf.getvalue())
     if close:
         import matplotlib.pyplot as plt
         plt.close(fig)

@@ -25,7 +25,7 @@ import torch
 
 from ..generate import RuntimeConfig, generate
 from ..tree import PRESETS, Tree
-from .common import env_info, tree_by_name
+from .common import KeptRows, env_info, tree_by_name
 from .scenarios import default_scenario_dir, fit, item_text, prompt_ids
 from .eval_metrics import (current_memory, describe_mismatch, failures_in_rows, first_difference, long_run_summary,
                            mean_logprob, num, request_metrics, sampled_quality, section_rows)
@@ -107,8 +107,13 @@ class Harness:
                          tree_size=self.tree.size, tree_depth=self.tree.max_depth, temperature=cfg.temperature,
                          top_p=cfg.top_p)
         self.rows, self.failures = [], []
-        self.sink, self.kept_rows, self.warm = sink, 0, False
-        self.kept = {row_key(r): r for r in kept}          # a later row of the same request wins
+        self.sink, self.warm = sink, False
+        self.kept = KeptRows(kept, row_key)                # a later row of the same request wins
+
+    @property
+    def kept_rows(self):
+        """How many rows of earlier runs this run reused (--resume)."""
+        return self.kept.used
 
     # ---- plumbing: prompts, run, record, reuse ----
     def prompt(self, item, max_new, prompt_cap=None):
@@ -145,19 +150,16 @@ class Harness:
 
     def reuse(self, section, *requests):
         """--resume: the kept rows of these requests (dicts of their REQUEST_KEYS) if all are there, else None."""
-        rows = [self.kept.get(row_key(dict(self.base, section=section, **r))) for r in requests]
-        if not rows or any(r is None for r in rows):
-            return None
-        return self._take(rows)
+        rows = self.kept.take(*[row_key(dict(self.base, section=section, **r)) for r in requests])
+        return self._take(rows) if rows else None
 
     def reuse_section(self, section):
         """--resume for a section written in one piece (edge, compat): all its kept rows, or None."""
-        rows = [r for k, r in self.kept.items() if k[:3] == (self.config, self.env["device"], section)]
+        rows = self.kept.matching(lambda k: k[:3] == (self.config, self.env["device"], section))
         return self._take(rows) if rows else None
 
     def _take(self, rows):
         self.rows += rows
-        self.kept_rows += len(rows)
         for section, message in failures_in_rows(rows):
             self.fail(section, message)
         return rows

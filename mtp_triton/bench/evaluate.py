@@ -44,6 +44,7 @@ The pieces: scenarios.py (the sets, prompt ids), eval_harness.py (the sections),
 rows), eval_report.py, eval_plots.py.
 """
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
@@ -52,9 +53,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..cli import error, run
 from ..demo import SMOLLM2, heads_dir_for, load_bundle
+from ..generate import RuntimeConfig
 from ..loading import SHORT_NAMES
-from .common import EMBEDDED, ROOT, append_rows, ensure_writable_dir, int_at_least, read_rows, tree_by_name
+from ..sampling import check_temperature
+from .common import (EMBEDDED, ROOT, append_rows, ensure_writable_dir, int_at_least, output_lock, resume_rows,
+                     tree_by_name)
 from .eval_harness import Harness, harness_tree, row_key, sweep_tree_names
 from .scenarios import (CHAT_SCENARIO_DIR, CHAT_SCENARIOS, SCENARIO_DIR, SCENARIOS, default_scenario_dir, encode,
                         has_chat_template, load_scenarios, prompt_ids)
@@ -112,6 +117,8 @@ class EvalConfig:
         if self.long_run < 0 or not self.timeout_s > 0:
             raise ValueError(f"EvalConfig: long_run must be >= 0 and timeout_s > 0, got {self.long_run}, "
                              f"{self.timeout_s}")
+        check_temperature(self.temperature, self.top_p)      # here, so that --top-p 0 fails before the model loads
+        RuntimeConfig(fallback_threshold=self.fallback, prune_below=self.prune_below)      # refuses bad values
 
     @classmethod
     def quick(cls, **kw):
@@ -138,9 +145,10 @@ def evaluate(model, heads, tok, cfg=None, heads_dir=None, csv_path=None, command
 
     csv_path: append the rows of each request to this CSV as soon as it finishes (with `command`), so an
     interrupted run keeps them. resume: requests whose rows csv_path already holds (same configuration, same
-    device: `row_key`) are not run again; their rows and the failures they record are part of the result."""
+    device: `row_key`) are not run again; their rows and the failures they record are part of the result. Torn rows
+    (a run killed mid-row) are left out, and said so on stderr: their requests run again."""
     cfg = cfg or EvalConfig()
-    kept = read_rows(csv_path) if resume and csv_path and os.path.exists(csv_path) else []
+    kept = resume_rows(csv_path, log=lambda line: print(line, file=sys.stderr)) if resume and csv_path else []
     sink = None
     if csv_path:
         def sink(rows):
@@ -221,11 +229,6 @@ def build_parser():
     return ap
 
 
-def _error(message, code=2):
-    print("error: " + " ".join(str(message).split()), file=sys.stderr)          # one line
-    return code
-
-
 def _model_missing(model):
     """A message when `model` is neither a short name, a .gguf file nor a checkpoint folder, else None."""
     if model.lower() in SHORT_NAMES or (os.path.isfile(model) and model.endswith(".gguf")):
@@ -248,19 +251,27 @@ def _check_names(names, folder):
 
 
 def main(argv=None):
-    from safetensors import SafetensorError
+    """`python -m mtp_triton eval`: the exit status (0 all gates passed, 1 a gate failed, 2 bad input, 130 Ctrl-C).
+    One run at a time per --out: a second one is refused (records.output_lock)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     a = build_parser().parse_args(argv)
-    try:
-        ensure_writable_dir(a.out)                           # before any compute: a bad --out fails now
-    except OSError as e:
-        return _error(e)
+    with contextlib.ExitStack() as held:
+        try:
+            ensure_writable_dir(a.out)                       # before any compute: a bad --out fails now
+            held.enter_context(output_lock(a.out, "an eval run"))
+        except (OSError, RuntimeError) as e:                # a bad --out, or another run writing to it
+            return error(e)
+        return _main(a, argv)
+
+
+def _main(a, argv):
+    from safetensors import SafetensorError
     missing = _model_missing(a.model)
     if missing:
-        return _error(missing)
+        return error(missing)
     heads_dir = a.heads or heads_dir_for(a.model)
     if not os.path.exists(heads_dir):
-        return _error(f"no MTP heads at {heads_dir!r}. Train them (python -m mtp_triton train_heads distill ... for a "
+        return error(f"no MTP heads at {heads_dir!r}. Train them (python -m mtp_triton train_heads distill ... for a "
                       "chat model) or pass --heads <folder>.")
     kw = dict(tree=a.tree, temperature=a.temperature, top_p=a.top_p, seed=a.seed, kernels=a.kernels,
               scenarios=tuple(a.scenarios) if a.scenarios else None, scenario_dir=a.scenario_dir, sweep=a.sweep,
@@ -272,12 +283,12 @@ def main(argv=None):
         cfg = EvalConfig.quick(**kw) if a.quick else EvalConfig(**kw)
         _check_names(cfg.scenarios, cfg.scenario_dir)        # typos fail now, not after loading the model
     except ValueError as e:
-        return _error(e)
+        return error(e)
     try:
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[a.dtype]
         model, heads, tok = load_bundle(a.model, heads_dir, a.device, dtype)
     except (ValueError, OSError, KeyError, RuntimeError, SafetensorError) as e:
-        return _error(f"could not load the model or heads from {a.model!r}: {type(e).__name__}: {e}")
+        return error(f"could not load the model or heads from {a.model!r}: {type(e).__name__}: {e}")
     try:
         cfg = dataclasses.replace(cfg, scenario_dir=cfg.scenario_dir or default_scenario_dir(tok))
         first = load_scenarios(cfg.scenarios, 1, cfg.scenario_dir)
@@ -286,7 +297,7 @@ def main(argv=None):
         if a.tree != "auto":                                 # 'auto' measures step costs: the harness does it once
             harness_tree(a.tree, heads, heads_dir)
     except ValueError as e:
-        return _error(e)
+        return error(e)
     where = "CPU (numbers are CPU numbers)" if model.device.type != "cuda" else torch.cuda.get_device_name()
     print(f"eval: {a.model} ({str(model.dtype).replace('torch.', '')}) on {where}; heads {heads_dir} "
           f"({heads.num_heads}); tree {a.tree}; T={a.temperature}; scenarios "
@@ -305,7 +316,7 @@ def main(argv=None):
               "--resume to go on from there", file=sys.stderr)
         return 130
     except OSError as e:
-        return _error(f"could not write the results to {a.out!r}: {e}. The rows of the requests that finished "
+        return error(f"could not write the results to {a.out!r}: {e}. The rows of the requests that finished "
                       f"before are in {csv_path}; make room and run the same command with --resume")
     for k, off, on, sp in ab_table(result.rows, "scenario"):
         print(f"{k:18s} tok/s off {off['decode_tokens_per_s']:8.1f}  on {on['decode_tokens_per_s']:8.1f}  "
@@ -322,4 +333,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(main))

@@ -7,16 +7,28 @@ With `RuntimeConfig(prune_below=p)` a step verifies only the drafted nodes whose
 prod_{d <= depth} q_d(y_d | path), is at least p (step.Pruner; EAGLE-2, Li et al. 2024, shapes its draft tree by
 the same confidence, https://arxiv.org/abs/2406.16858). Where drafts look unlikely the verify forward is smaller;
 tau falls a little, a step costs less. Every configuration runs on every prompt, one after another (batch 1), and
-must emit the serial tokens. Writes <out>/prune.csv (one row per prompt and configuration), <out>/prune.png.
+must emit the serial tokens. Writes <out>/prune.csv (one row per prompt and configuration, the rows of a prompt
+appended as soon as it finishes, so Ctrl-C or a full disk loses only the prompt in flight) and <out>/prune.png.
+
+    python -m mtp_triton prune --out out/prune --resume   # after a Ctrl-C: only the prompts not yet in prune.csv
+
+--resume reuses a prompt's rows when prune.csv holds every configuration's row for it with the same setup (the
+weights' fingerprints, the tree, --max-new-tokens, --kernels) on the same device; torn rows are left out (said so).
+Bad flags and prompt files are refused with one `error:` line before the model loads; one run at a time per --out.
 """
 import argparse
+import contextlib
+import hashlib
 import os
 import sys
 
 import torch
 
+from ..cli import error, run
 from ..generate import RuntimeConfig, generate
-from .common import ROOT, append_rows, ensure_writable_dir, env_info
+from .common import (ROOT, KeptRows, append_rows, ensure_writable_dir, env_info, int_at_least, output_lock,
+                     resume_rows, save_figure)
+from .eval_harness import fingerprint
 
 PROMPT_SETS = {"chat": os.path.join(ROOT, "data", "chat", "heldout_chat.jsonl"),
                "templated": os.path.join(ROOT, "data", "chat", "heldout_templated.jsonl")}
@@ -57,7 +69,7 @@ def summarise(results, cfgs):
 
 
 def summarise_rows(rows):
-    """The same summary as `summarise`, from prune.csv rows (strings, one per prompt and configuration, one run) ->
+    """The same summary as `summarise`, from prune.csv rows (strings or typed, one per prompt and configuration) ->
     {configuration: dict(tok_s, tau, nodes, identical, prompts, speedup)}, in the rows' order of configurations."""
     by = {}
     for r in rows:
@@ -68,75 +80,138 @@ def summarise_rows(rows):
         steps = sum(int(r["steps"]) for r in rs)
         nodes = sum(float(r["verified_nodes_per_step"]) * int(r["steps"]) for r in rs)
         table[name] = dict(tok_s=tok / max(sum(float(r["decode_s"]) for r in rs), 1e-12), tau=tok / max(steps, 1),
-                           nodes=nodes / max(steps, 1), identical=sum(r["identical"] == "True" for r in rs),
+                           nodes=nodes / max(steps, 1), identical=sum(str(r["identical"]) == "True" for r in rs),
                            prompts=len(rs))
     for s in table.values():
         s["speedup"] = s["tok_s"] / table["serial"]["tok_s"]
     return table
 
 
-def main(argv=None):
-    from ..demo import SMOLLM2, encode, heads_dir_for, load_bundle, pick_prompts, pick_tree, read_prompts
+def prompt_hash(text):
+    """12 hex digits of a prompt's text: which prompt a row belongs to (prompt files need not have ids)."""
+    return hashlib.sha1(text.encode("utf-8")).hexdigest()[:12]
+
+
+def row_key(row):
+    """(setup, device, prompt, configuration) as strings: equal for a typed row and the same row read back from
+    prune.csv; a prompt's rows are reused by --resume only when every configuration's row is there."""
+    return tuple(str(row.get(k)) for k in ("setup", "device", "prompt_hash", "config"))
+
+
+def build_parser():
     ap = argparse.ArgumentParser(prog="python -m mtp_triton prune", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=SMOLLM2)
+    ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (as the demo)")
     ap.add_argument("--heads", default=None, help="heads folder (default: the model's shipped heads)")
     ap.add_argument("--prompts", default="chat", help="'chat', 'templated' or a JSONL file with 'text' (and "
                     "'category')")
-    ap.add_argument("--per-category", type=int, default=2)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--per-category", type=int_at_least(1), default=2, help="prompts per category (>= 1)")
+    ap.add_argument("--max-new-tokens", type=int_at_least(1), default=128)
     ap.add_argument("--tree", default="stored", help="as the demo's --tree")
     ap.add_argument("--thresholds", default=",".join(f"{t:g}" for t in THRESHOLDS),
                     help="comma-separated prune_below values in (0, 1]")
     ap.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"])
     ap.add_argument("--out", default=os.path.join("out", "prune"))
-    a = ap.parse_args(argv)
+    ap.add_argument("--resume", action="store_true", help="skip the prompts whose rows <out>/prune.csv already "
+                    "holds (same model, heads, tree, token count, kernels and device)")
+    return ap
+
+
+def parse_thresholds(text):
+    """'0.05,0.1' -> [0.05, 0.1]; anything else, or a value outside (0, 1], is a ValueError naming --thresholds."""
     try:
-        thresholds = [float(t) for t in a.thresholds.split(",") if t.strip()]
+        thresholds = [float(t) for t in text.split(",") if t.strip()]
         for t in thresholds:
             RuntimeConfig(prune_below=t)                                        # refuses values outside (0, 1]
-        ensure_writable_dir(a.out)
+    except ValueError as e:
+        raise ValueError(f"--thresholds {text!r}: {e}") from None
+    return thresholds
+
+
+def main(argv=None):
+    """`python -m mtp_triton prune`: the exit status (0 every output equals serial, 1 one differs, 2 bad input, 130
+    Ctrl-C). The rows of each prompt are appended to <out>/prune.csv as soon as it finishes; one run per --out."""
+    from ..demo import SMOLLM2, read_prompts
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = build_parser().parse_args(argv)
+    a.model = a.model or SMOLLM2
+    with contextlib.ExitStack() as held:
+        try:                                             # everything that can be checked before the model loads
+            thresholds = parse_thresholds(a.thresholds)
+            prompts = read_prompts(PROMPT_SETS.get(a.prompts, a.prompts))
+            ensure_writable_dir(a.out)
+            held.enter_context(output_lock(a.out, "a prune run"))
+        except (OSError, ValueError, RuntimeError) as e:
+            return error(e)
+        return _run(a, argv, thresholds, prompts)
+
+
+def _run(a, argv, thresholds, prompts):
+    from ..demo import encode, heads_dir_for, load_bundle, pick_prompts, pick_tree
+    try:
         model, heads, tok = load_bundle(a.model, a.heads)
+        tree = pick_tree(a.tree, heads, a.heads or heads_dir_for(a.model), model, a.kernels)
     except (OSError, ValueError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return error(e)
     cfgs = configs(thresholds)
-    rows = pick_prompts(read_prompts(PROMPT_SETS.get(a.prompts, a.prompts)), a.per_category)
-    tree = pick_tree(a.tree, heads, a.heads or heads_dir_for(a.model), model, a.kernels)
+    rows = pick_prompts(prompts, a.per_category)
     eos = tok.eos_token_id
+    csv_path = os.path.join(a.out, "prune.csv")
+    env = env_info(model.device)
+    setup = (f"model {fingerprint(model)} heads {fingerprint(heads)} tree {prompt_hash(repr(tree.paths))} "
+             f"max_new_tokens {a.max_new_tokens} kernels {a.kernels}")
+    kept = KeptRows(resume_rows(csv_path, log=lambda line: print(line, file=sys.stderr)) if a.resume else [],
+                    row_key)
+    cmd = "python -m mtp_triton prune " + " ".join(argv)
     print(f"model {a.model}, {model.dtype}, {torch.get_num_threads()} threads; tree of {tree.size} nodes (depth "
           f"{tree.max_depth}); {len(rows)} prompts ({a.prompts}), {a.max_new_tokens} new tokens; "
-          f"configurations: {', '.join(n for n, _ in cfgs)}")
-    run_prompt(model, heads, tree, encode(tok, rows[0]["text"]), 8, eos, a.kernels, cfgs)   # warm-up, not timed
-    results = []
-    for r in rows:
-        results.append(run_prompt(model, heads, tree, encode(tok, r["text"]), a.max_new_tokens, eos, a.kernels, cfgs))
-        got = results[-1]
-        print(f"[{r.get('category', 'all')}] " + "  ".join(
-            f"{n}: {got[n].stats.decode_tokens_per_s:.1f} tok/s" + ("" if n == "serial" else
-                                                                   f" tau {got[n].stats.tokens_per_step:.2f}")
-            for n, _ in cfgs), flush=True)
-    table = summarise(results, cfgs)
-    print(f"\n| configuration | decode tok/s | speedup | tau | verified nodes / step | identical |")
+          f"configurations: {', '.join(n for n, _ in cfgs)}" + ("; --resume" if a.resume else ""))
+    mine, warm = [], False
+    try:
+        for r in rows:
+            base = dict(env, run="prune", setup=setup, model=a.model, dtype=str(model.dtype).replace("torch.", ""),
+                        threads=torch.get_num_threads(), prompts=a.prompts, prompt_id=r.get("id"),
+                        prompt_hash=prompt_hash(r["text"]), category=r.get("category"), tree_size=tree.size,
+                        max_new_tokens=a.max_new_tokens)
+            again = kept.take(*[row_key(dict(base, config=n)) for n, _ in cfgs])
+            if again:
+                mine += again
+                print(f"[{r.get('category', 'all')}] kept from an earlier run", flush=True)
+                continue
+            ids = encode(tok, r["text"])
+            if not warm:                                                          # warm-up, not timed
+                run_prompt(model, heads, tree, ids, 8, eos, a.kernels, cfgs)
+                warm = True
+            got = run_prompt(model, heads, tree, ids, a.max_new_tokens, eos, a.kernels, cfgs)
+            new = [dict(base, config=n, prune_below=p, kernels=got[n].stats.kernels,
+                        new_tokens=got[n].stats.new_tokens, steps=got[n].stats.steps,
+                        tokens_per_step=got[n].stats.tokens_per_step,
+                        verified_nodes_per_step=got[n].stats.verified_nodes_per_step,
+                        decode_tokens_per_s=got[n].stats.decode_tokens_per_s,
+                        decode_s=got[n].stats.total_s - got[n].stats.ttft_s,
+                        identical=got[n].tokens == got["serial"].tokens, command=cmd) for n, p in cfgs]
+            append_rows(csv_path, new)                                 # now: a Ctrl-C later keeps this prompt
+            mine += new
+            print(f"[{r.get('category', 'all')}] " + "  ".join(
+                f"{n}: {got[n].stats.decode_tokens_per_s:.1f} tok/s" + ("" if n == "serial" else
+                                                                       f" tau {got[n].stats.tokens_per_step:.2f}")
+                for n, _ in cfgs), flush=True)
+    except KeyboardInterrupt:
+        print(f"interrupted: the rows of every finished prompt are in {csv_path}; run the same command with "
+              "--resume to go on from there", file=sys.stderr)
+        return 130
+    except OSError as e:
+        return error(f"could not write the rows to {csv_path!r}: {e}. The prompts that finished before are there; "
+                     "make room and run the same command with --resume")
+    table = summarise_rows(mine)
+    print("\n| configuration | decode tok/s | speedup | tau | verified nodes / step | identical |")
     print("|---|---|---|---|---|---|")
     for n, s in table.items():
         print(f"| {n} | {s['tok_s']:.1f} | {s['speedup']:.2f}x | {s['tau']:.2f} | {s['nodes']:.1f} | "
               f"{s['identical']}/{s['prompts']} |")
-    env = env_info(model.device)
-    cmd = "python -m mtp_triton prune " + " ".join(argv if argv is not None else sys.argv[2:])
-    out_rows = [dict(env, run="prune", model=a.model, dtype=str(model.dtype).replace("torch.", ""),
-                     threads=torch.get_num_threads(), prompts=a.prompts, prompt_id=r.get("id"),
-                     category=r.get("category"), config=n, prune_below=p, tree_size=tree.size,
-                     max_new_tokens=a.max_new_tokens, kernels=res[n].stats.kernels, new_tokens=res[n].stats.new_tokens,
-                     steps=res[n].stats.steps, tokens_per_step=res[n].stats.tokens_per_step,
-                     verified_nodes_per_step=res[n].stats.verified_nodes_per_step,
-                     decode_tokens_per_s=res[n].stats.decode_tokens_per_s,
-                     decode_s=res[n].stats.total_s - res[n].stats.ttft_s,
-                     identical=res[n].tokens == res["serial"].tokens, command=cmd)
-                for r, res in zip(rows, results) for n, p in cfgs]
-    append_rows(os.path.join(a.out, "prune.csv"), out_rows)
     plot(table, thresholds, env, os.path.join(a.out, "prune.png"))
-    print(f"wrote {a.out}/prune.csv and {a.out}/prune.png")
+    print(f"wrote {csv_path} and {a.out}/prune.png" + (f" ({kept.used} rows kept from earlier runs)"
+                                                        if kept.used else ""))
     if any(s["identical"] != s["prompts"] for s in table.values()):
         print("ERROR: MTP output differs from serial output", file=sys.stderr)
         return 1
@@ -162,6 +237,8 @@ def plot(table, thresholds, env, path):
     ax[1].set_xticks(list(x), labels)
     ax[1].set_xlabel("prune_below")
     ax[1].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    save_figure(fig, path, close=True)
+
+
+if __name__ == "__main__":
+    sys.exit(run(main))

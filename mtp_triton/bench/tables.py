@@ -29,6 +29,7 @@ Writes <out>/tables.csv (rows appended, each with env_info() and a run_id), <out
 4. Hugging Face generate(do_sample=False) on the same weights as an outside serial baseline (`hf_baseline.hf_row`).
 """
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -39,7 +40,10 @@ from ..generate import prefill
 from ..ops import get_ops
 from ..tree import Tree
 from . import e2e
-from .common import EMBEDDED, append_rows, ensure_writable_dir, env_info, int_at_least, read_rows, time_fn, write_text
+from ..cli import error, run
+from .common import (EMBEDDED, KeptRows, append_rows, ensure_writable_dir, env_info, int_at_least, output_lock,
+                     read_rows, resume_rows, time_fn, write_text)
+from .eval_harness import fingerprint
 from .hf_baseline import hf_row
 from .profile_step import kernel_rows, phase_rows
 from .tables_render import (NPU_CONFIGS, PUBLISHED, _table, load_published, markdown, npu_sweep,  # noqa: F401
@@ -211,17 +215,33 @@ def analytic_rows(drafting, sweep, t1, verify_s, base):
 
 
 # ---- the whole run ----------------------------------------------------------------------------------------
+def suite_setup(target, quick, profiles, max_new_tokens, num_prompts, kernels, hf):
+    """What a suite's rows depend on besides the device, readable: the weights' fingerprints and the settings
+    (--resume reuses a suite only for the same setup)."""
+    heads = f" heads {fingerprint(target.heads)}" if getattr(target, "heads", None) is not None else ""
+    return (f"model {fingerprint(target.model)}{heads} quick {quick} profiles {profiles} max_new_tokens "
+            f"{max_new_tokens} num_prompts {num_prompts} kernels {kernels} hf {hf}")
+
+
+def _suite_key(row):
+    return tuple(str(row.get(k)) for k in ("setup", "device", "suite"))
+
+
 def run_tables(out, shapes=("embedded", "llama7b"), *, quick=False, device=None, model_path=EMBEDDED,
                profiles=None, max_new_tokens=None, num_prompts=None, kernels="auto", hf=True, log=print,
-               command=None, smollm2_heads=None):
+               command=None, smollm2_heads=None, resume=False):
     """Measure every suite that can run here, append the rows to <out>/tables.csv, write tables.md and tables.png.
 
     Returns (rows of this run, {"csv", "md", "png": paths}). A suite that cannot run here (llama7b on CPU without
-    quick) adds one row with table="skipped" and the reason."""
+    quick) adds one row with table="skipped" and the reason. A suite's rows are appended as soon as it finishes.
+    resume: a suite whose rows tables.csv already holds for the same setup (`suite_setup`) and device is not
+    measured again; its rows are part of the tables (torn rows are left out, and said so)."""
     ensure_writable_dir(out)                     # before the compute: a bad folder fails now, not after a suite
     env = env_info(device)
     run_id = env["timestamp"]
-    rows = []
+    rows, earlier = [], []
+    csv_path = os.path.join(out, "tables.csv")
+    kept = KeptRows(resume_rows(csv_path, log=log) if resume else [], _suite_key)
     profiles = profiles or ("consumer80" if quick else DEFAULT_PROFILES)
     for shape in shapes:
         try:
@@ -231,32 +251,40 @@ def run_tables(out, shapes=("embedded", "llama7b"), *, quick=False, device=None,
             log(f"[{shape}] skipped: {exc}")
             rows.append(dict(env, run_id=run_id, table="skipped", suite=shape, note=str(exc)))
             continue
+        n = max_new_tokens or (12 if quick else 128)
+        extra = SECTIONS.get(shape, {})
+        setup = suite_setup(target, quick, profiles, n, num_prompts, kernels, hf and extra.get("hf", True))
+        again = kept.matching(lambda k: k == (setup, str(env["device"]), shape))
+        if again:
+            log(f"[{shape}] kept from an earlier run ({len(again)} rows of {csv_path})")
+            earlier += again
+            write_outputs(out, run_id, [], earlier)
+            continue
         if target.model.device.type != "cuda":
             log(f"[{shape}] CPU run: these are CPU numbers (torch ops), not GPU numbers")
         if shape == "llama7b":
             draftings = [e2e.oracle_drafting(p) for p in profiles.split(",") if p.strip()]
         else:
             draftings = [e2e.heads_drafting(target)]
-        n = max_new_tokens or (12 if quick else 128)
-        extra = SECTIONS.get(shape, {})
         new = suite_rows(target, draftings, n, kernels=kernels, hf=hf and extra.get("hf", True),
                          phases=extra.get("phases", True), run_id=run_id, log=log)
-        if command:
-            new = [dict(r, command=command) for r in new]
+        new = [dict(r, suite=shape, setup=setup, **({"command": command} if command else {})) for r in new]
         rows += new
-        write_outputs(out, run_id, new)          # after every suite: a later timeout keeps what was measured
+        write_outputs(out, run_id, new, earlier)  # after every suite: a later timeout keeps what was measured
         del target
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     skipped = [r for r in rows if r["table"] == "skipped"]
-    return rows, write_outputs(out, run_id, skipped)
+    return rows + earlier, write_outputs(out, run_id, skipped, earlier)
 
 
-def write_outputs(out, run_id, new_rows):
-    """Append new_rows to <out>/tables.csv, then redraw tables.md and tables.png from the CSV rows of run_id."""
+def write_outputs(out, run_id, new_rows, kept=()):
+    """Append new_rows to <out>/tables.csv, then redraw tables.md and tables.png from the CSV rows of run_id and
+    the `kept` rows of earlier runs (--resume)."""
     paths = {k: os.path.join(out, f"tables.{k}") for k in ("csv", "md", "png")}
     append_rows(paths["csv"], new_rows)
     mine = [r for r in read_rows(paths["csv"]) if r.get("run_id") == run_id] if os.path.exists(paths["csv"]) else []
+    mine = list(kept) + mine
     published = load_published()
     write_text(paths["md"], markdown(mine, published))
     plot(mine, published, paths["png"])
@@ -283,35 +311,59 @@ def main(argv=None):
     ap.add_argument("--num-prompts", type=int_at_least(1), default=None)
     ap.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"])
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    ap.add_argument("--resume", action="store_true", help="skip the suites whose rows <out>/tables.csv already "
+                    "holds (same weights, settings and device)")
     a = ap.parse_args(argv)
-    try:                                                            # fail early: a bad profile, an unwritable --out
-        for p in (a.profiles or "").split(","):
-            if p.strip():
-                e2e.parse_profile(p)
-        ensure_writable_dir(a.out)
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     smollm2 = a.smollm2 if a.smollm2 is not None else (not a.quick and e2e.smollm2_installed())
     shapes = list(a.shape) + (["smollm2"] if smollm2 else [])
+    with contextlib.ExitStack() as held:
+        try:                                                        # fail early: bad flags, an unwritable --out
+            check_args(a, shapes)
+            ensure_writable_dir(a.out)
+            held.enter_context(output_lock(a.out, "a tables run"))
+        except (ValueError, OSError, RuntimeError) as e:
+            return error(e)
+        return _run(a, argv, shapes)
+
+
+def check_args(a, shapes):
+    """ValueError naming the flag for what would fail (or silently measure something else) later."""
     if not shapes:
-        print("error: nothing to measure: give --shape or --smollm2", file=sys.stderr)
-        return 2
+        raise ValueError("nothing to measure: give --shape or --smollm2")
+    if a.profiles is not None:
+        names = [p for p in a.profiles.split(",") if p.strip()]
+        if not names:
+            raise ValueError(f"--profiles {a.profiles!r} names no profile; e.g. --profiles consumer80,0.9")
+        for p in names:
+            e2e.parse_profile(p)
+    if "embedded" in shapes and os.path.abspath(a.model) != os.path.abspath(EMBEDDED) and not e2e.has_embedded(a.model):
+        raise ValueError(f"--model {a.model!r}: no checkpoint with trained heads there (config.json, *.safetensors "
+                         "and heads/heads.safetensors); pass such a folder, or leave --model out for the embedded "
+                         "model")
+    if a.smollm2_heads is not None and not os.path.isdir(a.smollm2_heads):
+        raise ValueError(f"--smollm2-heads {a.smollm2_heads!r}: no such folder")
+
+
+def _run(a, argv, shapes):
+    csv_path = os.path.join(a.out, "tables.csv")
     if not torch.cuda.is_available():
         print("no GPU: CPU run — every number below is a CPU number (torch ops" + (", tiny sizes)" if a.quick else ")"))
     try:
         rows, paths = run_tables(a.out, shapes, smollm2_heads=a.smollm2_heads, quick=a.quick, device=a.device,
                                  model_path=a.model, profiles=a.profiles, max_new_tokens=a.max_new_tokens,
-                                 num_prompts=a.num_prompts,
+                                 num_prompts=a.num_prompts, resume=a.resume,
                                  kernels=a.kernels, hf=not a.no_hf, command="python -m mtp_triton tables " +
                                  " ".join(sys.argv[1:] if argv is None else argv))
+    except KeyboardInterrupt:
+        print(f"interrupted: the rows of every finished suite are in {csv_path}; run the same command with --resume "
+              "to go on from there", file=sys.stderr)
+        return 130
     except OSError as e:
-        print(f"error: could not write the tables to {a.out!r}: {e}. The suites measured before are in "
-              f"{os.path.join(a.out, 'tables.csv')}", file=sys.stderr)
-        return 2
+        return error(f"could not write the tables to {a.out!r}: {e}. The suites measured before are in {csv_path}; "
+                     "make room and run the same command with --resume")
     print(f"wrote {len(rows)} rows: {paths['csv']}, {paths['md']}, {paths['png']}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(main))

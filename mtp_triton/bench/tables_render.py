@@ -4,7 +4,7 @@ import csv
 import glob
 import os
 
-from .common import ROOT
+from .common import ROOT, save_figure
 from .profile_step import PHASES, plot_phases
 
 PUBLISHED = os.path.join(ROOT, "data", "published")
@@ -232,7 +232,7 @@ def plot(rows, published, path=None):
                  fontsize=10)
     fig.tight_layout()
     if path:
-        fig.savefig(path, dpi=80)
+        save_figure(fig, path)                                # atomic: an interrupted save keeps the old image
     return fig
 
 

@@ -19,12 +19,13 @@ import random
 import torch
 
 from ..generate import generate
+from .data import read_text_rows
 
 
-def read_prompts(path):
-    """Rows of a prompts JSONL (id, category, text, ...)."""
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+def read_prompts(path, what="prompt file"):
+    """Rows of a prompts JSONL (id, category, text, ...); a line without an id or a text string, a torn line, a file
+    that is not UTF-8 or is missing: a ValueError naming `what` (the flag), the file and the line."""
+    return read_text_rows(path, what, fields=("id", "text"))
 
 
 def chat_ids(tok, text, system=None):

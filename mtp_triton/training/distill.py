@@ -35,11 +35,13 @@ import torch.nn.functional as F
 
 from ..drafters import bf16_draft
 from ..generate import causal_chains
+from ..cli import float_in, int_at_least
 from ..heads import MTPHeads
+from ..records import save_torch, write_json
 from ..tree import Tree
 from .answers import read_jsonl, read_prompts, write_answers
 from .self_prompts import write_self_prompts
-from .loop import Loop, LoopConfig, Recorder, write_json
+from .loop import Loop, LoopConfig, Recorder
 
 
 def read_answers(path, ids=None):
@@ -347,13 +349,13 @@ def run(args):
     if os.path.exists(cache_file):              # built before: add the answers it lacks (same draft vocabulary)
         cache, added = extend_cache(model, torch.load(cache_file, weights_only=False), rows, args.num_heads)
         if added:
-            torch.save(cache, cache_file)
+            save_torch(cache, cache_file)
         token_map = cache["token_map"]
         cache_origin = dict(fresh=False, rows_added=added)      # the card says where the vocabulary came from
     else:
         token_map = draft_vocab(rows, args.vocab, always=[tok.eos_token_id])
         cache = build_cache(model, rows, token_map, args.top_k, num_heads=args.num_heads)
-        torch.save(cache, cache_file)
+        save_torch(cache, cache_file)
         cache_origin = dict(fresh=True, rows_added=len(rows))
     t_cache = time.time() - t0 - t_prompts - t_answers
     heads = new_heads(model, args.num_heads, token_map, args.root_input, args.token_inputs)
@@ -374,8 +376,8 @@ def run(args):
                                          "medusa-32")}
     trees = {n: t for n, t in trees.items() if t.max_depth <= args.num_heads}
     ev = {name: measure.evaluate_heads(model, heads, r, trees) for name, r in held.items()}
-    budgets = tuple(int(b) for b in args.budgets.split(","))
-    tree, table = measure.choose_tree(model, heads, held["templated"], budgets=budgets, min_speedup=args.min_speedup)
+    tree, table = measure.choose_tree(model, heads, held["templated"], budgets=args.budgets,
+                                      min_speedup=args.min_speedup)
     for name in ev:                             # the chosen tree's tau on every held-out set and category
         for cat, e in ev[name].items():
             part = held[name] if cat == "all" else [r for r in held[name] if r.get("category") == cat]
@@ -410,7 +412,8 @@ def run(args):
 
 
 def add_arguments(sp):
-    """The `distill` options (registered in mtp_triton/train_heads.py)."""
+    """The `distill` options (registered in mtp_triton/train_heads.py); every number is range-checked here."""
+    from .measure import budget_list
     sp.add_argument("--model", default="smollm2-135m-instruct")
     sp.add_argument("--prompts", default=os.path.join("data", "chat", "train.jsonl"))
     sp.add_argument("--heldout", default=os.path.join("data", "chat", "heldout_templated.jsonl"))
@@ -420,26 +423,28 @@ def add_arguments(sp):
     sp.add_argument("--records", default=None, help="default: <out>/records")
     sp.add_argument("--answers-by", default="transformers", choices=["transformers", "engine"],
                     help="who writes the training answers (held-out answers always come from this engine)")
-    sp.add_argument("--num-heads", type=int, default=8, help="8: enough for the MTP-8 row of the depth sweep")
+    sp.add_argument("--num-heads", type=int_at_least(1), default=8, help="8: enough for the MTP-8 row of the depth sweep")
     sp.add_argument("--root-input", action=argparse.BooleanOptionalAction, default=True,
                     help="the heads also read the root token (x' = x + P e_root); --no-root-input: Medusa's heads")
-    sp.add_argument("--token-inputs", type=int, default=0,
+    sp.add_argument("--token-inputs", type=int_at_least(0), default=0,
                     help="Q: head h also reads the last min(h, Q) drafted tokens of its path (Hydra-style; 0: none)")
-    sp.add_argument("--vocab", type=int, default=8192, help="draft vocabulary size")
-    sp.add_argument("--top-k", type=int, default=16, help="soft targets kept per position")
-    sp.add_argument("--max-new-tokens", type=int, default=256)
-    sp.add_argument("--eval-new-tokens", type=int, default=192)
-    sp.add_argument("--sample-share", type=float, default=0.4)
-    sp.add_argument("--self-prompts", type=int, default=0,
+    sp.add_argument("--vocab", type=int_at_least(1), default=8192, help="draft vocabulary size")
+    sp.add_argument("--top-k", type=int_at_least(1), default=16, help="soft targets kept per position")
+    sp.add_argument("--max-new-tokens", type=int_at_least(1), default=256)
+    sp.add_argument("--eval-new-tokens", type=int_at_least(1), default=192)
+    sp.add_argument("--sample-share", type=float_in(0, 1), default=0.4, help="share of prompts also answered by "
+                    "sampling (0 to 1)")
+    sp.add_argument("--self-prompts", type=int_at_least(0), default=0,
                     help="also answer this many prompts the model writes itself (Magpie-style, self_prompts.py; needs a chat "
                          "template; the shipped SmolLM2 heads used 2400)")
-    sp.add_argument("--gen-batch", type=int, default=32)
-    sp.add_argument("--minutes", type=float, default=30.0, help="training time budget")
-    sp.add_argument("--steps", type=int, default=6000, help="training step budget (whichever ends first)")
-    sp.add_argument("--batch", type=int, default=1024)
-    sp.add_argument("--lr", type=float, default=2e-3)
-    sp.add_argument("--seed", type=int, default=0)
-    sp.add_argument("--threads", type=int, default=2)
-    sp.add_argument("--budgets", default="1,2,3,4,6,8,12,16,24,32", help="tree sizes (drafts) to choose from")
-    sp.add_argument("--min-speedup", type=float, default=None,
+    sp.add_argument("--gen-batch", type=int_at_least(1), default=32)
+    sp.add_argument("--minutes", type=float_in(0, low_open=True), default=30.0, help="training time budget")
+    sp.add_argument("--steps", type=int_at_least(1), default=6000, help="training step budget (whichever ends first)")
+    sp.add_argument("--batch", type=int_at_least(1), default=1024)
+    sp.add_argument("--lr", type=float_in(0, low_open=True), default=2e-3)
+    sp.add_argument("--seed", type=int_at_least(0), default=0)
+    sp.add_argument("--threads", type=int_at_least(1), default=2)
+    sp.add_argument("--budgets", type=budget_list, default="1,2,3,4,6,8,12,16,24,32",
+                    help="tree sizes (drafts) to choose from")
+    sp.add_argument("--min-speedup", type=float_in(0, low_open=True), default=None,
                     help="ship the most accepting tree predicted at least this fast (default: the fastest predicted)")

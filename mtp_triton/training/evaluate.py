@@ -12,9 +12,10 @@ import time
 
 import torch
 
+from mtp_triton.cli import int_at_least
+from mtp_triton.records import write_json
 from mtp_triton.training.data import prompt_ids
 from mtp_triton.training.hidden import base_argmax, cache_hidden, greedy_continue, head_z
-from mtp_triton.training.loop import write_json
 
 
 @torch.no_grad()
@@ -150,7 +151,8 @@ def measure_tau(args):
     """
     import mtp_triton
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from mtp_triton.bench.common import env_info, tree_by_name
+    from mtp_triton.bench.common import tree_by_name
+    from mtp_triton.records import env_info
     torch.set_num_threads(args.threads)
     model = mtp_triton.load_model(args.model, device=args.device)
     heads = mtp_triton.load_heads(args.heads, device=args.device)
@@ -205,12 +207,12 @@ def add_arguments(e):
     e.add_argument("--heads", required=True, help="heads folder (with accuracy.json for the tuned-N trees)")
     e.add_argument("--prompts", required=True, help="JSONL with id, source, text")
     e.add_argument("--out", required=True, help="JSON file to write")
-    e.add_argument("--new-tokens", type=int, default=128)
-    e.add_argument("--prompt-max", type=int, default=512, help="keep the last N tokens of each prompt")
+    e.add_argument("--new-tokens", type=int_at_least(1), default=128)
+    e.add_argument("--prompt-max", type=int_at_least(1), default=512, help="keep the last N tokens of each prompt")
     e.add_argument("--trees", nargs="+", default=["chain-2", "chain-4", "chain-8", "medusa-8", "medusa-16",
                                                    "medusa-32", "medusa-64", "tuned-16", "tuned-32", "tuned-64"])
     e.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"])
     e.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    e.add_argument("--threads", type=int, default=2)
-    e.add_argument("--tree-budget", type=int, default=None,
+    e.add_argument("--threads", type=int_at_least(1), default=2)
+    e.add_argument("--tree-budget", type=int_at_least(1), default=None,
                    help="also record this as the default tuned tree size (tree_budget) in the heads' accuracy.json")

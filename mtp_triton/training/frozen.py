@@ -23,12 +23,14 @@ import time
 import torch
 import torch.nn.functional as F
 
+from mtp_triton.cli import int_at_least
 from mtp_triton.heads import MTPHeads
-from mtp_triton.training.data import random_windows, token_streams
+from mtp_triton.training.data import load_text_files, random_windows, token_streams
 from mtp_triton.training.evaluate import (distinct_ratio, head_topk_accuracy, prompts_tau, standard_trees,
                                           tau_report)
 from mtp_triton.training.hidden import base_argmax, cache_hidden, greedy_continue, head_z, init_from
-from mtp_triton.training.loop import Loop, LoopConfig, Recorder, add_training_arguments, write_json
+from mtp_triton.records import write_json
+from mtp_triton.training.loop import Loop, LoopConfig, Recorder, add_training_arguments
 
 
 def frozen_head_losses(heads, lm_head, x, targets="soft", backward=True):
@@ -105,16 +107,28 @@ def heldout(model, heads, streams, args):
                            "tau_simulated": taus_val, "distinct_ratio": distinct_ratio(vseqs[:, P:])}}
 
 
+def check_args(args):
+    """Refuse flags that are each in range but do not fit together (ValueError naming them), before any loading."""
+    if args.self_generated and args.prompt_len >= args.seq_len:
+        raise ValueError(f"frozen: --prompt-len {args.prompt_len} must be less than --seq-len {args.seq_len} (each "
+                         "greedy continuation starts from --prompt-len tokens and runs to --seq-len)")
+    if args.seq_len < args.num_heads + 2:
+        raise ValueError(f"frozen: --seq-len {args.seq_len} is too short for --num-heads {args.num_heads}: head h "
+                         "learns the token h + 2 ahead, so --seq-len must be at least --num-heads + 2")
+
+
 def train_frozen(args):
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    check_args(args)
+    texts = load_text_files(args.data) if args.data else None      # bad --data: refused before anything loads
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(args.seed)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    tok = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+    streams = token_streams(tok, texts, args.cache_dir)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device).eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    tok = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
-    streams = token_streams(tok, args.data, args.cache_dir)
     D, S, H, P = model.config.hidden_size, args.seq_len, args.num_heads, args.prompt_len
     rec = Recorder(args.records or args.out, "train_frozen", recipe=f"frozen-{args.targets}")
     t0 = time.time()
@@ -181,18 +195,20 @@ def add_arguments(f):
     f.add_argument("--targets", choices=["soft", "hard"], default="soft",
                    help="soft: KL to the base's distribution; hard: CE to its argmax")
     f.add_argument("--init", default=None, help="heads folder to start from (extra heads copy the deepest one)")
-    f.add_argument("--real-windows", type=int, default=256, help="real-text windows of --seq-len to cache")
-    f.add_argument("--self-generated", type=int, default=0,
+    f.add_argument("--real-windows", type=int_at_least(0), default=256, help="real-text windows of --seq-len to cache")
+    f.add_argument("--self-generated", type=int_at_least(0), default=0,
                    help="N greedy continuations of the base (prompt --prompt-len, up to --seq-len) to cache")
-    f.add_argument("--prompt-len", type=int, default=64)
-    f.add_argument("--gen-batch", type=int, default=64)
-    f.add_argument("--val-windows", type=int, default=32)
-    f.add_argument("--eval-generated", type=int, default=32, help="held-out prompts continued greedily for eval")
-    f.add_argument("--eval-new-tokens", type=int, default=256)
+    f.add_argument("--prompt-len", type=int_at_least(1), default=64, help="tokens of real text each continuation "
+                   "and each held-out one starts from (less than --seq-len)")
+    f.add_argument("--gen-batch", type=int_at_least(1), default=64)
+    f.add_argument("--val-windows", type=int_at_least(1), default=32)
+    f.add_argument("--eval-generated", type=int_at_least(1), default=32,
+                   help="held-out prompts continued greedily for eval")
+    f.add_argument("--eval-new-tokens", type=int_at_least(1), default=256)
     f.add_argument("--eval-prompts", default=None, help="prompts JSONL (id, source, text) for a tau estimate")
-    f.add_argument("--eval-prompt-max", type=int, default=512, help="keep the last N tokens of each prompt")
-    f.add_argument("--top-k", type=int, default=10, help="ranks measured per head (accuracy.json)")
+    f.add_argument("--eval-prompt-max", type=int_at_least(1), default=512, help="keep the last N tokens of each prompt")
+    f.add_argument("--top-k", type=int_at_least(1), default=10, help="ranks measured per head (accuracy.json)")
     f.add_argument("--store-base-path", action="store_true", help="record the absolute base path in heads.json")
-    f.add_argument("--tree-budget", type=int, default=16,
+    f.add_argument("--tree-budget", type=int_at_least(1), default=16,
                    help="nodes of the default tuned tree, recorded in accuracy.json for the decoder")
     f.set_defaults(lr=1e-3, steps=600, warmup=20)

@@ -19,11 +19,13 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from mtp_triton.cli import float_in, int_at_least
 from mtp_triton.heads import MTPHeads
-from mtp_triton.training.data import random_windows, token_streams
+from mtp_triton.training.data import load_text_files, random_windows, token_streams
 from mtp_triton.training.evaluate import head_topk_accuracy
 from mtp_triton.training.hidden import autocast, final_hidden, head_z, init_from
-from mtp_triton.training.loop import Loop, LoopConfig, Recorder, add_training_arguments, write_json
+from mtp_triton.records import write_json
+from mtp_triton.training.loop import Loop, LoopConfig, Recorder, add_training_arguments
 
 
 def build_llama(vocab_size, layers=4, hidden=256, q_heads=4, kv_heads=2, intermediate=688, max_pos=2048,
@@ -76,10 +78,11 @@ def heldout_losses(model, heads, val, S, batch, args):
 
 def train_joint(args):
     from transformers import AutoTokenizer, GenerationConfig
+    texts = load_text_files(args.data) if args.data else None      # bad --data: refused before anything loads
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(args.seed)
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
-    streams = token_streams(tok, args.data, args.cache_dir)
+    streams = token_streams(tok, texts, args.cache_dir)
     H, S, B = args.num_heads, args.seq_len, args.batch
     if args.init_model:     # continue training a saved model (and its joint heads, when there are enough)
         from transformers import AutoModelForCausalLM
@@ -149,19 +152,21 @@ def train_joint(args):
 
 def add_arguments(j):
     """The `joint` subcommand's options: the shared training options, then its own."""
-    add_training_arguments(j)
+    add_training_arguments(j, min_heads=0)                        # 0 heads: a plain language model
     j.add_argument("--tokenizer", required=True, help="tokenizer folder (transformers AutoTokenizer)")
-    j.add_argument("--layers", type=int, default=4)
-    j.add_argument("--hidden", type=int, default=256)
-    j.add_argument("--q-heads", type=int, default=4)
-    j.add_argument("--kv-heads", type=int, default=2)
-    j.add_argument("--intermediate", type=int, default=688)
-    j.add_argument("--max-pos", type=int, default=2048)
+    j.add_argument("--layers", type=int_at_least(1), default=4)
+    j.add_argument("--hidden", type=int_at_least(1), default=256, help="a multiple of --q-heads")
+    j.add_argument("--q-heads", type=int_at_least(1), default=4)
+    j.add_argument("--kv-heads", type=int_at_least(1), default=2, help="divides --q-heads")
+    j.add_argument("--intermediate", type=int_at_least(1), default=688)
+    j.add_argument("--max-pos", type=int_at_least(1), default=2048)
     j.add_argument("--tie", action="store_true", help="tie input embeddings and LM head")
     j.add_argument("--init-model", default=None, help="continue from a saved model folder (new LR schedule)")
     j.add_argument("--run-name", default="train_joint", help="name of the records (<name>.json, <name>_curve.csv)")
-    j.add_argument("--mtp-weight", type=float, default=0.3, help="lambda: weight of the mean head loss (0: plain LM)")
-    j.add_argument("--head-frac", type=float, default=0.25, help="fraction of positions the heads are trained on")
-    j.add_argument("--weight-decay", type=float, default=0.1)
-    j.add_argument("--val-windows", type=int, default=48)
+    j.add_argument("--mtp-weight", type=float_in(0), default=0.3,
+                   help="lambda: weight of the mean head loss (0: plain LM)")
+    j.add_argument("--head-frac", type=float_in(0, 1, low_open=True), default=0.25,
+                   help="fraction of positions the heads are trained on (0 < f <= 1)")
+    j.add_argument("--weight-decay", type=float_in(0), default=0.1)
+    j.add_argument("--val-windows", type=int_at_least(1), default=48)
     j.add_argument("--heads-subdir", default="heads_joint")

@@ -10,15 +10,21 @@ A recipe only writes `step_fn`: draw a batch, compute its losses, back-propagate
 head's logits alive at a time back-propagates head by head), and return the numbers to log. Two optional hooks:
 `on_log(row)` adds columns to a logged row (a periodic held-out evaluation), `on_save()` runs with every periodic
 checkpoint (to write the model in its own format too).
+
+Every file it writes (the curve CSV and PNG, the checkpoint) goes through mtp_triton.records: a temporary file, fsync,
+then one os.replace, so a kill or a full disk mid-write leaves the previous file as it was.
 """
 import csv
-import json
+import io
 import math
 import os
 import time
 from dataclasses import dataclass
 
 import torch
+
+from mtp_triton.cli import float_in, int_at_least
+from mtp_triton.records import save_torch, write_bytes
 
 
 def lr_at(progress, step, base_lr, warmup, min_frac=0.1):
@@ -54,31 +60,33 @@ class LoopConfig:
         return cls(**{**kw, **overrides})
 
 
-def add_training_arguments(sp):
-    """The command-line options every training recipe takes (a recipe's add_arguments calls this first)."""
+def add_training_arguments(sp, min_heads=1):
+    """The command-line options every training recipe takes (a recipe's add_arguments calls this first).
+    Every number is range-checked by argparse (min_heads: the fewest heads the recipe can train)."""
     sp.add_argument("--out", required=True, help="output folder")
-    sp.add_argument("--data", nargs="*", help="training text (.py/.txt files, .jsonl with 'text'); "
-                                             "default: the Python stdlib corpus (mtp_triton.corpus)")
+    sp.add_argument("--data", nargs="*", help="training text (.py/.txt files in UTF-8, .jsonl with a 'text' string "
+                                             "per line); default: the Python stdlib corpus (mtp_triton.corpus)")
     sp.add_argument("--cache-dir", default=None, help="where to cache the tokenized corpus")
-    sp.add_argument("--num-heads", type=int, default=4)
-    sp.add_argument("--steps", type=int, default=1000)
-    sp.add_argument("--max-minutes", type=float, default=60.0, help="stop (and finish the LR schedule) here")
-    sp.add_argument("--lr", type=float, default=3e-3)
-    sp.add_argument("--warmup", type=int, default=50)
-    sp.add_argument("--batch", type=int, default=8)
-    sp.add_argument("--seq-len", type=int, default=512)
-    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--num-heads", type=int_at_least(min_heads), default=4)
+    sp.add_argument("--steps", type=int_at_least(1), default=1000)
+    sp.add_argument("--max-minutes", type=float_in(0, low_open=True), default=60.0,
+                    help="stop (and finish the LR schedule) here")
+    sp.add_argument("--lr", type=float_in(0, low_open=True), default=3e-3)
+    sp.add_argument("--warmup", type=int_at_least(0), default=50)
+    sp.add_argument("--batch", type=int_at_least(1), default=8)
+    sp.add_argument("--seq-len", type=int_at_least(2), default=512)
+    sp.add_argument("--seed", type=int_at_least(0), default=0)
     sp.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     sp.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="autocast / storage dtype")
-    sp.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    sp.add_argument("--log-every", type=int, default=10)
-    sp.add_argument("--eval-every", type=int, default=100)
+    sp.add_argument("--threads", type=int_at_least(1), default=2, help="torch CPU threads")
+    sp.add_argument("--log-every", type=int_at_least(1), default=10)
+    sp.add_argument("--eval-every", type=int_at_least(1), default=100)
     sp.add_argument("--records", default=None, help="folder for metrics JSON / curve CSV+PNG (default --out)")
-    sp.add_argument("--progress-interval", type=float, default=5.0, help="seconds between tqdm refreshes")
+    sp.add_argument("--progress-interval", type=float_in(0), default=5.0, help="seconds between tqdm refreshes")
     sp.add_argument("--checkpoint", default=None,
                     help="resumable checkpoint file (parameters, optimizer, batch RNG, logged rows): written "
                          "every --save-every-minutes and at the end; a rerun with the same file continues from it")
-    sp.add_argument("--save-every-minutes", type=float, default=10.0,
+    sp.add_argument("--save-every-minutes", type=float_in(0), default=10.0,
                     help="minutes between periodic checkpoints (joint: also writes the model folder); 0: off")
 
 
@@ -94,17 +102,18 @@ class Recorder:
         self.rows.append({**self.columns, **row})
 
     def write(self):
+        """<out_dir>/<name>_curve.csv and .png (each replaced whole, or left as it was). Returns the CSV's path."""
         if not self.rows:
             return None
-        os.makedirs(self.out_dir, exist_ok=True)
         path = os.path.join(self.out_dir, f"{self.name}_curve.csv")
         keys = []
         for r in self.rows:
             keys += [k for k in r if k not in keys]
-        with open(path, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=keys)
-            w.writeheader()
-            w.writerows(self.rows)
+        buf = io.StringIO(newline="")
+        w = csv.DictWriter(buf, fieldnames=keys)
+        w.writeheader()
+        w.writerows(self.rows)
+        write_bytes(path, buf.getvalue().encode("utf-8"))
         plot_curve(self.rows, path[:-4] + ".png", self.name)
         return path
 
@@ -136,8 +145,10 @@ def plot_curve(rows, path, title):
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    fig.savefig(path)
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
     plt.close(fig)
+    write_bytes(path, png.getbuffer())
 
 
 def plot_curve_csv(csv_path):
@@ -147,14 +158,6 @@ def plot_curve_csv(csv_path):
     png = csv_path[:-4] + ".png"
     plot_curve(rows, png, os.path.basename(csv_path)[:-len("_curve.csv")])
     return png
-
-
-def write_json(path, obj):
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
 
 
 class Loop:
@@ -180,15 +183,12 @@ class Loop:
     def save(self):
         if not self.cfg.checkpoint:
             return
-        os.makedirs(os.path.dirname(os.path.abspath(self.cfg.checkpoint)), exist_ok=True)
         blob = {"step": self.step, "elapsed": self.elapsed, "opt": self.opt.state_dict(),
                 "params": [p.detach().clone() for p in self.params],
                 "extra": self.extra[0]() if self.extra else None,
                 "rows": list(self.recorder.rows) if self.recorder is not None else None,
                 "sums": (dict(self.sums), self.n)}
-        tmp = self.cfg.checkpoint + ".tmp"
-        torch.save(blob, tmp)
-        os.replace(tmp, self.cfg.checkpoint)          # a kill mid-save keeps the previous checkpoint
+        save_torch(blob, self.cfg.checkpoint)         # a kill or a full disk mid-save keeps the previous one
 
     def resume(self):
         """Continue from the checkpoint if there is one. Returns the step it resumed at (0: a fresh start)."""

@@ -10,6 +10,7 @@ repeats; every number recorded with what it was measured on.)
   step costs measured on this machine (median of `reps`), so the choice never promises more than the measured costs
   allow; the demo later prints this prediction beside the measured speedup.
 """
+import argparse
 import collections
 import statistics
 import time
@@ -22,6 +23,17 @@ from ..step import draft
 from ..tree import Tree
 from ..tuning import step_cost
 from . import distill
+
+
+def budget_list(text):
+    """argparse type of --budgets: comma-separated tree sizes (drafts), each an integer >= 1 -> a tuple."""
+    try:
+        budgets = tuple(int(b) for b in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not budgets or min(budgets) < 1:
+        raise argparse.ArgumentTypeError(f"every tree size must be >= 1, got {text!r}")
+    return budgets
 
 
 def evaluate_heads(model, heads, rows, trees, K=8):

@@ -21,17 +21,27 @@ another). So the tree is chosen apart from training, from held-out answers:
              including sets never used to choose (the hand-written held-out chat prompts); each set's ranks are
              computed once and serve both the choice and the report
 5. store     the tree and the tuning table go into heads.json (`tree`, `tuning`; the weights file is not
-             rewritten); the record, with the machine and commit it was measured on, into <records>/retree.json
+             rewritten, heads.json is replaced whole or not at all); the record, with the machine and commit it was
+             measured on, into <records>/retree.json
+
+The tree must never be chosen on the prompts it is reported on as held out: a tuning set that shares a prompt
+with a `--never-tune` file (the hand-written held-out chat prompts by default) is refused before anything loads,
+whatever the files are called. Prompts are compared by a hash of their normalised text (case-folded, whitespace
+collapsed: `self_prompts.normalise`).
 """
+import hashlib
 import json
 import os
 import time
 
 import torch
 
+from ..cli import float_in, int_at_least
+from ..records import write_json
 from . import distill
 from .answers import read_prompts, write_answers
-from .loop import write_json
+from .measure import budget_list
+from .self_prompts import normalise
 
 
 def _sets(spec):
@@ -55,27 +65,66 @@ def tau_by_category(ranks, rows, trees):
     return out
 
 
+def store_tree(heads_dir, tree, table):
+    """Put `tree` and its tuning `table` into <heads_dir>/heads.json (the weights file is not touched), replacing
+    the file whole (records.write_json): a full disk leaves the old heads.json as it was. Returns the tree it
+    replaces (None if there was none)."""
+    meta_file = os.path.join(heads_dir, "heads.json")
+    with open(meta_file, encoding="utf-8") as f:
+        meta = json.load(f)
+    previous = meta.get("tree")
+    meta["tree"] = [list(p) for p in tree.paths[1:]]
+    meta["tuning"] = table
+    meta["tuning_by"] = "retree"
+    write_json(meta_file, meta)
+    return previous
+
+
+def prompt_hash(text):
+    """The key two prompts are the same by: sha256 of the normalised text (case-folded, whitespace collapsed)."""
+    return hashlib.sha256(normalise(text).encode("utf-8")).hexdigest()
+
+
+def refuse_protected_prompts(tune, protected):
+    """Raise ValueError if any tuning set {path: rows} shares a prompt with a protected set {path: rows}, naming
+    both files, how many prompts they share and the first few (tuning id = protected id)."""
+    for ppath, prows in protected.items():
+        ids = {}
+        for r in prows:
+            ids.setdefault(prompt_hash(r["text"]), r["id"])
+        for tpath, trows in tune.items():
+            shared = [(r["id"], ids[prompt_hash(r["text"])]) for r in trows if prompt_hash(r["text"]) in ids]
+            if shared:
+                shown = ", ".join(f"{a!r} = {b!r}" for a, b in shared[:3]) + (", ..." if len(shared) > 3 else "")
+                raise ValueError(
+                    f"retree: --tune {tpath} shares {len(shared)} prompt(s) with the held-out set {ppath} "
+                    f"(--never-tune): {shown}; held-out prompts must not be used to choose the tree: remove them "
+                    "from the tuning set")
+
+
 def run(args):
     import mtp_triton as mt
-    from ..bench.common import env_info
+    from ..records import env_info
     from . import measure
     torch.set_num_threads(args.threads)
     env = env_info()                              # stamped before anything is written
     t0 = time.time()
-    model = mt.load_model(args.model, device="cpu", dtype=torch.bfloat16)
-    tok = mt.load_tokenizer(args.model)
-    heads = mt.load_heads(args.heads)
-    if heads.token_map is None:
-        raise ValueError(f"retree: {args.heads} has no draft vocabulary (token_map); these heads come from `distill`")
+    # every input checked before the model loads: prompt files, the held-out guard, the heads' draft vocabulary
     tune, report = _sets(args.tune), _sets(args.report)
     if not tune:
         raise ValueError("retree: --tune names no prompt file")
-    banned = set(tune) & {n.strip() for n in args.never_tune.split(",")}
-    if banned:
-        raise ValueError(f"retree: {sorted(banned)} must not be used to choose the tree (--never-tune)")
+    prompt_sets = {name: read_prompts(path, "--tune" if name in tune else "--report")
+                   for name, path in {**report, **tune}.items()}
+    refuse_protected_prompts({tune[n]: prompt_sets[n] for n in tune},
+                             {p: read_prompts(p, "--never-tune") for p in args.never_tune.split(",") if p.strip()})
+    heads = mt.load_heads(args.heads)
+    if heads.token_map is None:
+        raise ValueError(f"retree: {args.heads} has no draft vocabulary (token_map); these heads come from `distill`")
+    model = mt.load_model(args.model, device="cpu", dtype=torch.bfloat16)
+    tok = mt.load_tokenizer(args.model)
     rows = {}
     for name, path in {**tune, **report}.items():
-        prompts = read_prompts(path)
+        prompts = prompt_sets[name]
         f = os.path.join(args.work, f"answers-{name}.jsonl")
         write_answers(model, tok, prompts, f, args.max_new_tokens, sample_share=0.0, batch=args.gen_batch)
         rows[name] = [r for r in distill.read_answers(f, {p["id"] for p in prompts}) if r["mode"] == "greedy"]
@@ -86,10 +135,9 @@ def run(args):
     for name in rows:
         c = distill.build_cache(model, rows[name], heads.token_map, 1, num_heads=heads.num_heads)
         ranks[name] = distill.head_ranks(heads, model, c)
-    budgets = tuple(int(b) for b in args.budgets.split(","))
     tree, table = measure.choose_tree_from_ranks(
         model, heads, torch.cat([ranks[n] for n in tune]), [k for n in tune for k in distill.lengths_of(rows[n])],
-        budgets=budgets, reps=args.reps, min_speedup=args.min_speedup)
+        budgets=args.budgets, reps=args.reps, min_speedup=args.min_speedup)
     t_choose = time.time() - t1
 
     t2 = time.time()
@@ -101,18 +149,11 @@ def run(args):
     tau = {name: tau_by_category(ranks[name], rows[name], trees) for name in dict.fromkeys(list(tune) + list(report))}
     t_report = time.time() - t2
 
-    meta_file = os.path.join(args.heads, "heads.json")
-    with open(meta_file) as f:
-        meta = json.load(f)
-    previous = meta.get("tree")
-    meta["tree"] = [list(p) for p in tree.paths[1:]]
-    meta["tuning"] = table
-    meta["tuning_by"] = "retree"
-    with open(meta_file, "w") as f:
-        json.dump(meta, f, indent=2)
+    previous = store_tree(args.heads, tree, table)
     records = args.records or os.path.join(args.heads, "records")
     cmd = "python -m mtp_triton train_heads retree " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("func", "recipe") and v is not None)
+        f"--{k.replace('_', '-')} {','.join(map(str, v)) if isinstance(v, tuple) else v}"
+        for k, v in vars(args).items() if k not in ("func", "recipe") and v is not None)
     info = dict(env, command=cmd, config={k: v for k, v in vars(args).items() if k not in ("func", "recipe")},
                 threads=torch.get_num_threads(), tune={n: len(rows[n]) for n in tune},
                 report={n: len(rows[n]) for n in report},
@@ -137,13 +178,16 @@ def add_arguments(sp):
     sp.add_argument("--report", default=",".join(os.path.join("data", "chat", f) for f in
                                                  ("heldout_templated.jsonl", "heldout_chat.jsonl")),
                     help="comma-separated prompt files to report tau on")
-    sp.add_argument("--never-tune", default="heldout_chat", help="set names that --tune must not contain")
+    sp.add_argument("--never-tune", default=os.path.join("data", "chat", "heldout_chat.jsonl"),
+                    help="comma-separated prompt files no --tune file may share a prompt with (compared by normalised "
+                         "text, whatever the files are called); '' turns the guard off")
     sp.add_argument("--work", default=os.path.join("runs", "retree"), help="answers (resumable)")
     sp.add_argument("--records", default=None, help="default: <heads>/records")
-    sp.add_argument("--max-new-tokens", type=int, default=192)
-    sp.add_argument("--gen-batch", type=int, default=32)
-    sp.add_argument("--budgets", default="1,2,3,4,6,8,12,16,20,24,28,32", help="tree sizes (drafts) to choose from")
-    sp.add_argument("--min-speedup", type=float, default=1.4,
+    sp.add_argument("--max-new-tokens", type=int_at_least(1), default=192)
+    sp.add_argument("--gen-batch", type=int_at_least(1), default=32)
+    sp.add_argument("--budgets", type=budget_list, default="1,2,3,4,6,8,12,16,20,24,28,32",
+                    help="tree sizes (drafts) to choose from")
+    sp.add_argument("--min-speedup", type=float_in(0, low_open=True), default=1.4,
                     help="ship the most accepting tree predicted at least this fast (none: the fastest predicted)")
-    sp.add_argument("--reps", type=int, default=21, help="timing rounds per tree (median)")
-    sp.add_argument("--threads", type=int, default=2)
+    sp.add_argument("--reps", type=int_at_least(1), default=21, help="timing rounds per tree (median)")
+    sp.add_argument("--threads", type=int_at_least(1), default=2)

@@ -43,8 +43,8 @@ SOURCE = "written by the model itself (Magpie-style: its chat template up to the
 
 
 def normalise(text):
-    """Lower-case, whitespace collapsed: the key for duplicates and held-out overlap."""
-    return " ".join(text.lower().split())
+    """Case-folded, whitespace collapsed: the key for duplicates and held-out overlap (here and in `retree`)."""
+    return " ".join(text.casefold().split())
 
 
 def repeats(text, n=3, times=3):
