@@ -13,7 +13,9 @@ decodes garbage); `check_finite=False` skips that.
 import glob
 import importlib.util
 import json
+import math
 import os
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -124,6 +126,10 @@ def read_config(folder):
 
 def _model_type(d, source):
     mt, archs = d.get("model_type"), d.get("architectures") or []
+    if mt is not None and not isinstance(mt, str):
+        raise ValueError(f"{source}: model_type must be a string such as 'llama', got {mt!r}")
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ValueError(f"{source}: architectures must be a list of strings, got {archs!r}")
     if mt is None:
         known = [a for a in archs if a in _ARCH_TO_TYPE]
         if not archs:
@@ -144,6 +150,9 @@ def _model_type(d, source):
 
 
 def _rope(d, source):
+    for key in ("rope_parameters", "rope_scaling"):
+        if d.get(key) is not None and not isinstance(d[key], dict):
+            raise ValueError(f"{source}: {key} must be an object (or null), got {d[key]!r}")
     rope = dict(d.get("rope_parameters") or {})
     rope.update(d.get("rope_scaling") or {})
     if any(isinstance(v, dict) for v in rope.values()):
@@ -163,6 +172,11 @@ def _rope(d, source):
     if lacking:
         raise ValueError(f"{source}: rope_type {kind!r} needs numeric {', '.join(lacking)} in rope_scaling / "
                          "rope_parameters")
+    bad = [f"{k}={rope[k]!r}" for k in need if not (math.isfinite(rope[k]) and rope[k] > 0)]
+    if bad:
+        raise ValueError(f"{source}: rope_type {kind!r} needs positive finite {', '.join(bad).replace('=', ', got ')}")
+    if not (_number(theta) and math.isfinite(theta) and theta > 0):
+        raise ValueError(f"{source}: rope_theta must be a positive finite number, got {theta!r}")
     return theta, {} if kind == "default" else dict(rope, rope_type=kind)
 
 
@@ -190,11 +204,27 @@ def _number(v):
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _flag(d, key, source):
+    """A boolean field: absent or null -> False; true/false as JSON booleans (a string "false" is refused, not
+    read as True)."""
+    v = d.get(key)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise ValueError(f"{source}: {key} must be true or false (a JSON boolean), got {v!r}")
+    return v
+
+
 def config_from_hf(d, source="config"):
     """ModelConfig from a Hugging Face config dict, or a ValueError naming `source` and what is wrong."""
     if not isinstance(d, dict):
         raise ValueError(f"{source}: expected a config dict, got {type(d).__name__}")
     mt = _model_type(d, source)
+    flags = {k: _flag(d, k, source) for k in ("tie_word_embeddings", "attention_bias", "mlp_bias",
+                                             "use_sliding_window")}
+    eps = d.get("rms_norm_eps", 1e-6)
+    if not (_number(eps) and math.isfinite(eps) and eps > 0):
+        raise ValueError(f"{source}: rms_norm_eps must be a positive finite number, got {eps!r}")
     _, switches, default_ctx = FAMILIES[mt]
     for key in _REQUIRED:
         if key not in d:
@@ -225,9 +255,9 @@ def config_from_hf(d, source="config"):
             rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=float(theta) if _number(theta) else theta,
             rope_scaling=rope,
             max_position_embeddings=d.get("max_position_embeddings", default_ctx),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", False)) and mt in ("llama", "qwen3"),
-            mlp_bias=bool(d.get("mlp_bias", False)) and mt == "llama",
+            tie_word_embeddings=flags["tie_word_embeddings"],
+            attention_bias=flags["attention_bias"] and mt in ("llama", "qwen3"),
+            mlp_bias=flags["mlp_bias"] and mt == "llama",
             sliding_window=window, layer_types=layer_types, eos_token_id=eos, model_type=mt, **switches)
     except ValueError as e:
         raise ValueError(f"{source}: {e}") from None
@@ -283,8 +313,9 @@ def _load_gguf(file, device, dtype, check):
     folder, name = os.path.split(os.path.abspath(file))
     try:
         hf_cfg = AutoConfig.from_pretrained(folder, gguf_file=name)
-    except (ValueError, OSError, KeyError, NotImplementedError) as e:
-        raise ValueError(f"{file}: cannot read the GGUF metadata ({e})") from None
+    except (ValueError, OSError, KeyError, NotImplementedError, struct.error, EOFError, IndexError) as e:
+        raise ValueError(f"{file}: cannot read the GGUF metadata, a truncated or damaged GGUF file? "
+                         f"({type(e).__name__}: {e})") from None
     cfg = config_from_hf(hf_cfg.to_dict(), source=file)          # refuse before the slow dequantization
     hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=hf_cfg, dtype=torch.float32)
     sd = hf.state_dict()
@@ -301,7 +332,7 @@ def load_model(path, device=None, dtype=None, *, check_finite=True):
     check_finite: refuse tensors holding NaN/Inf (corrupted files), naming the file and the tensor.
     """
     kind, where = resolve(path)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device, dtype = _device(device), _dtype(dtype)
     if kind == "gguf":
         return _load_gguf(where, device, dtype, check_finite)
     if not os.path.exists(os.path.join(where, "config.json")):
@@ -315,6 +346,32 @@ def load_model(path, device=None, dtype=None, *, check_finite=True):
         if device.type == "cpu" and dtype in (torch.float16, torch.bfloat16):
             dtype = torch.float32
     return LlamaEngine.from_state_dict(cfg, sd, device=device, dtype=dtype, source=where)
+
+
+DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+               "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+def _dtype(dtype):
+    """None, a torch floating dtype or one of DTYPE_NAMES -> None or a torch dtype; else ValueError."""
+    if dtype is None or (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        return dtype
+    if isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in DTYPE_NAMES:
+        return DTYPE_NAMES[dtype.lower().removeprefix("torch.")]
+    raise ValueError(f"load_model: dtype must be None, a floating torch dtype or one of {sorted(DTYPE_NAMES)}, "
+                     f"got {dtype!r}")
+
+
+def _device(device):
+    """None (CUDA if available, else CPU), a device string or torch.device -> torch.device; CUDA must be there."""
+    try:
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"load_model: device {device!r} is not a device ({e}); use 'cpu' or 'cuda'") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r}: CUDA is not available on this machine; use --device cpu "
+                         "(device='cpu')")
+    return device
 
 
 def load_tokenizer(name_or_path):

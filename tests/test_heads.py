@@ -138,7 +138,7 @@ def test_bad_tree_refused_at_construction_and_load(tmp_path):
     MTPHeads(2, 8, tree=[(0,), (0, 0)]).save(str(tmp_path))
     meta = json.loads((tmp_path / "heads.json").read_text())
     (tmp_path / "heads.json").write_text(json.dumps(dict(meta, tree=[[0], [1, 0]])))     # (1,) is missing
-    with pytest.raises(ValueError, match=r"heads.safetensors: Tree: path \(1, 0\) has no parent"):
+    with pytest.raises(ValueError, match=r"heads.json: tree: Tree: path \(1, 0\) has no parent"):
         load_heads(str(tmp_path))
     (tmp_path / "heads.json").write_text(json.dumps(dict(meta, num_heads=3)))
     with pytest.raises(ValueError, match="says 3 heads"):
