@@ -17,12 +17,11 @@ import time
 
 import torch
 
-from .bench.common import EMBEDDED, PROMPTS, ROOT, append_rows, ensure_writable_dir, env_info
+from .bench.common import EMBEDDED, PROMPTS, ROOT, append_rows, ensure_writable_dir, env_info, save_figure
 from .cli import error, float_in, int_at_least
 from .generate import RuntimeConfig, generate
 from .heads import load_heads
 from .loading import load_model, load_tokenizer
-from .records import write_figure
 from .sampling import check_seed, check_temperature
 from .stats import format_tau
 from .tree import PRESETS, Tree, get_tree
@@ -309,9 +308,7 @@ def _plot(table, env, path):
     ax[1].set_ylim(0, 1)
     ax[1].set_title(f"tau = {table['all']['tau']:.2f} tokens / step, speedup {table['all']['speedup']:.2f}x",
                     fontsize=9)
-    fig.tight_layout()
-    write_figure(fig, path)
-    plt.close(fig)
+    save_figure(fig, path, close=True)
 
 
 def text_generate(argv=None):

@@ -349,12 +349,6 @@ def ensure_writable_dir(path):
 
 
 
-def write_figure(fig, path, **savefig_kw):
-    """A matplotlib figure's image (format from the file's extension) through write_bytes."""
-    buf = io.BytesIO()
-    fig.savefig(buf, format=os.path.splitext(path)[1].lstrip(".") or "png", **savefig_kw)
-    return write_bytes(path, buf.getvalue())
-
 # ---- one writer per output folder -------------------------------------------------------------------------
 @contextlib.contextmanager
 def output_lock(folder, what="this output folder"):

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import reference
-from .common import add_output_args, copy_bandwidth, env_info, interpreter_unless_cuda, save_rows, time_fn
+from .common import (add_output_args, copy_bandwidth, env_info, interpreter_unless_cuda, save_figure, save_rows,
+                     time_fn)
 
 GPU_SHAPES = [  # (B, H, D, V)
     (1, 4, 4096, 32000), (8, 4, 4096, 32000), (1, 5, 4096, 32000),
@@ -126,8 +127,7 @@ def plot(rows, path=None):
                  f"{first.get('dtype', '?')}, top_k={first.get('top_k', '?')})", fontsize=10)
     fig.tight_layout()
     if path is not None:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        fig.savefig(path, dpi=80)
+        save_figure(fig, path)
     return fig
 
 

@@ -28,7 +28,7 @@ import torch
 
 from ..generate import generate
 from ..stats import PhaseTimer
-from .common import env_info, png_next_to, save_rows
+from .common import env_info, png_next_to, save_figure, save_rows
 
 PHASES = ("draft", "verify-attention", "verify-other", "accept", "append", "python-overhead")
 
@@ -224,7 +224,7 @@ def plot_phases(rows, ax=None, path=None):
     if fig is not None:
         fig.tight_layout()
         if path:
-            fig.savefig(path)
+            save_figure(fig, path)
     return ax
 
 

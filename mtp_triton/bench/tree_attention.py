@@ -20,12 +20,12 @@ are run and every row says so (`scale` = "cpu-tiny", `interpreter` = True): thos
 interpreter, not the kernel.
 """
 import argparse
-import os
 
 import torch
 import torch.nn.functional as F
 
-from .common import add_output_args, copy_bandwidth, env_info, interpreter_unless_cuda, save_rows, time_fn
+from .common import (add_output_args, copy_bandwidth, env_info, interpreter_unless_cuda, save_figure,
+                     save_rows, time_fn)
 
 LAYOUTS = {"llama-7b": (32, 32, 128), "llama3-8b": (32, 8, 128), "tiny": (4, 2, 32)}   # Hq, Hkv, Dh
 GPU_GRID = dict(layouts=("llama-7b", "llama3-8b"), contexts=(1024, 4096, 8192, 32768), tree_sizes=(1, 16, 64),
@@ -188,8 +188,7 @@ def plot(rows, path=None):
     fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=7)
     fig.tight_layout()
     if path is not None:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        fig.savefig(path, dpi=80, bbox_inches="tight")
+        save_figure(fig, path, bbox_inches="tight")
     return fig
 
 
