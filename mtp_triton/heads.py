@@ -318,15 +318,17 @@ def _medusa_tensors(sd, file):
         if set(parts) != {"0.linear.weight", "0.linear.bias", "1.weight"}:
             raise ValueError(f"load_heads: {file}: head {i} has {sorted(parts)}; expected 0.linear.weight, "
                              "0.linear.bias and 1.weight")
-    D, V = heads[0]["1.weight"].shape[1], heads[0]["1.weight"].shape[0] if heads[0]["1.weight"].dim() == 2 else -1
+    lm0 = heads[0]["1.weight"]
+    if lm0.dim() != 2:
+        raise ValueError(f"load_heads: {file}: head 0 has 1.weight {tuple(lm0.shape)}, expected [V, D]")
+    V, D = lm0.shape
     for i in range(H):                         # every head: the same hidden size D and vocabulary V as head 0
-        want = {"0.linear.weight": (D, D), "0.linear.bias": (D,), "1.weight": (V, D)}
-        for k, shape in want.items():
+        for k, shape in (("0.linear.weight", (D, D)), ("0.linear.bias", (D,)), ("1.weight", (V, D))):
             got = tuple(heads[i][k].shape)
             if got != shape:
-                raise ValueError(f"load_heads: {file}: head {i} has {k} {got}, expected {shape} (head 0 has "
-                                 f"1.weight {tuple(heads[0]['1.weight'].shape)}: every head must read the same "
-                                 "hidden size and score the same vocabulary)")
+                raise ValueError(f"load_heads: {file}: head {i} has {k} {got}, expected {shape} as head 0's "
+                                 f"1.weight is {(V, D)}: every head must read the same hidden size and score the "
+                                 "same vocabulary")
     w = torch.stack([heads[i]["0.linear.weight"] for i in range(H)])
     b = torch.stack([heads[i]["0.linear.bias"] for i in range(H)])
     lm = torch.stack([heads[i]["1.weight"] for i in range(H)])
