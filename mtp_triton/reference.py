@@ -60,8 +60,10 @@ def topk_lower_id_first(x, k):
 
     Equivalent to a stable descending sort cut at k (the definition), but uses topk: within the k selected
     the order is fixed by a tiny sort; only if a tie straddles the k-th place (equal values left out) do
-    we fall back to the full stable sort.
+    we fall back to the full stable sort. NaN ranks as -inf (lowest, ties to the lower id), +inf highest: a row
+    poisoned by a NaN in a weight or a hidden state still gives k valid, distinct ids (the Triton kernel's rule).
     """
+    x = torch.where(torch.isnan(x), float("-inf"), x)
     vals, ids = torch.topk(x, k, dim=-1)                       # tie order unspecified
     kth = vals[..., -1:]
     by_id = torch.argsort(ids, dim=-1)                         # order the selection by id ...

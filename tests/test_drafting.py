@@ -128,6 +128,48 @@ def test_ties_go_to_the_lower_id():
     assert ids[0, 0, 0].item() == min(0, best)                           # id 0 copies the best row
 
 
+def _poisoned(case):
+    """Inputs with a non-finite value where a corrupt checkpoint or an overflowing activation would put one."""
+    B, H, D, V = 3, 3, 40, 203
+    hidden, res_weight, res_bias, lm_head = make_inputs(B, H, D, V, seed=4)
+    if case == "nan-hidden-row":
+        hidden[1, 7] = float("nan")                  # row 1, every head: all logits NaN
+    elif case == "nan-head-weight":
+        res_weight[2, 5, 9] = float("nan")           # head 2, every row: all logits NaN
+    elif case == "inf-lm-row":
+        lm_head[7].zero_()
+        lm_head[7, 0] = float("inf")                 # logit of id 7 = +inf or -inf by the sign of z[0]
+    elif case == "nan-lm-row":
+        lm_head[150, 3] = float("nan")               # id 150 (another vocab tile) NaN in every row
+    return hidden, res_weight, res_bias, lm_head
+
+
+@pytest.mark.parametrize("case", ["nan-hidden-row", "nan-head-weight", "inf-lm-row", "nan-lm-row"])
+def test_poisoned_rows_give_the_twins_valid_ids(case):
+    """A NaN or inf in a hidden state or a weight: both twins rank NaN as -inf and +inf highest, so every row still
+    gets top_k valid, distinct ids, the same in both (the kernel once returned id 2**32 - 1 here, which the engine's
+    embedding lookup then read out of bounds). Logprobs are non-finite exactly where the twin's are, else close."""
+    inputs = _poisoned(case)
+    top_k, V = 10, inputs[3].shape[0]
+    ids, logp = _fused_draft(*inputs, top_k, **SMALL_TILES)
+    ref_ids, ref_logp = reference.fused_draft(*inputs, top_k)
+    assert bool(((ids >= 0) & (ids < V)).all()), f"{case}: ids out of range {ids.max().item()}"
+    assert bool((ids.sort(-1).values.diff(dim=-1) > 0).all()), f"{case}: repeated ids"
+    assert torch.equal(ids, ref_ids), f"{case}: ids {ids.tolist()} != twin {ref_ids.tolist()}"
+    finite = torch.isfinite(ref_logp)
+    assert torch.equal(torch.isfinite(logp), finite), f"{case}: finite logprobs differ"
+    assert not finite.all(), f"{case}: the poison reached no logprob (the case tests nothing)"
+    assert_close(logp[finite], ref_logp[finite], atol=1e-4, rtol=1e-5, what=f"{case} logprobs")
+
+
+def test_overflowing_fp64_head_gives_valid_ids():
+    """An fp64 head scaled by 1e200 is finite in fp64 (the twin) but inf / NaN in the kernel's fp32 accumulation:
+    the two rank differently, yet the kernel's ids are still valid and distinct."""
+    hidden, res_weight, res_bias, lm_head = make_inputs(2, 2, 40, 203, dtype=torch.float64, seed=5)
+    ids, _ = _fused_draft(hidden, res_weight * 1e200, res_bias, lm_head * 1e200, 10, **SMALL_TILES)
+    assert bool(((ids >= 0) & (ids < 203)).all()) and bool((ids.sort(-1).values.diff(dim=-1) > 0).all())
+
+
 PAD = 64                                        # poisoned elements on each side of an input
 
 

@@ -162,6 +162,7 @@ def check_fused_draft_inputs(hidden, res_weight, res_bias, lm_head, top_k, token
 
 KEY_MIN = tl.constexpr(-9223372036854775808)  # below every packed key: "empty slot / already taken"
 KEY_MAX = tl.constexpr(9223372036854775807)
+FLT_MAX = tl.constexpr(3.4028234663852886e38)  # the largest finite fp32: NaN and -inf logits rank as -FLT_MAX
 
 
 @triton.jit
@@ -267,11 +268,23 @@ def _vocab_tile_kernel(
         else:
             zt = tl.load(z_hi_ptr + offs_zt, mask=mask_zt, other=0.0)
             acc = tl.dot(w.to(tl.float32), zt, acc, input_precision="ieee")
-    logits = tl.where(mask_v[:, None], acc, float("-inf"))                # [BLOCK_V, BLOCK_R]
+    # Non-finite logits (a NaN or inf in the hidden state or a weight) follow the twin's rules:
+    #  * ranking: NaN ranks as -inf (lowest, ties to the lower id), +inf highest. Both rank as -FLT_MAX here, so
+    #    that -inf is left to mean "padding or taken" and every real row can be picked: the top-k is always k
+    #    valid ids (the merge turns a -FLT_MAX logit back into -inf).
+    #  * log-sum-exp: a NaN or +inf anywhere in the row makes s NaN, so the merged logprobs are NaN (the twin's
+    #    log_softmax is NaN or -inf there too); a tile of only -inf has m = -inf and s = 0.
+    # One [BLOCK_V, BLOCK_R] tensor stays live (registers: the per-head LM-head tiles sit at ptxas's limit).
+    poisoned = tl.max((mask_v[:, None] & ((acc != acc) | (acc == float("inf")))).to(tl.int32), axis=0)  # [BLOCK_R]
+    logits = tl.where((acc == acc) & (acc > -FLT_MAX), acc, -FLT_MAX)
+    logits = tl.where(mask_v[:, None], logits, float("-inf"))             # [BLOCK_V, BLOCK_R]
 
     # log-sum-exp pieces of this tile: m = max_v l, s = sum_v exp(l - m)
     m = tl.max(logits, axis=0)                                            # [BLOCK_R]
-    s = tl.sum(tl.exp(logits - m[None, :]), axis=0)
+    s = tl.sum(tl.exp(logits - m[None, :]), axis=0)                      # -FLT_MAX entries add exp(-huge) = 0
+    s = tl.where(m == -FLT_MAX, 0.0, s)                                   # a tile of only NaN / -inf
+    s = tl.where(poisoned > 0, float("nan"), s)
+    m = tl.where(m == -FLT_MAX, float("-inf"), m)
     tl.store(m_ptr + rows * NT + pid_v, m, mask=mask_r)
     tl.store(s_ptr + rows * NT + pid_v, s, mask=mask_r)
 
@@ -343,6 +356,7 @@ def _merge_kernel(
         if HAS_MAP:
             row = tl.load(map_ptr + row, mask=mask_r, other=0)
         tl.store(ids_ptr + offs_r * TOP_K + j, row, mask=mask_r)
+        logit = tl.where(logit == -FLT_MAX, float("-inf"), logit)         # a NaN or -inf logit (tile kernel)
         tl.store(logp_ptr + offs_r * TOP_K + j, logit - lse, mask=mask_r)
         run = tl.where(run == best[:, None], KEY_MIN, run)
 
@@ -382,7 +396,9 @@ def draft_config(B, H, D, V, top_k, device, per_head=False, capability=None):
     # Triton 3.7.1's --regAllocOptLevel=2), so that no vocab tile spills:
     #  * warps: 8 for 64+ rows. On sm_100 (tcgen05: the logits tile lives in tensor memory and is read into
     #    registers for the top-k) always 8: at 4 warps ptxas stopped at 80-128 registers and spilled 16-36 B
-    #    (stores + loads); at 8 it needs 56-128 and spills nothing.
+    #    (stores + loads); at 8 it needs 56-128 and spills nothing. On sm_80 per-head LM heads (G = H groups of
+    #    B rows) also 8: since the tile kernel ranks NaN / inf logits as the twin does, they spilled 4 B at 4
+    #    warps (128 registers); sm_120 spills 8 B at 8 warps (64 registers) there and none at 4.
     #  * BLOCK_D: 64; on sm_120 at 64+ rows 32: with 64 ptxas stopped at 128 registers and spilled 32 B (stores +
     #    loads); with 32, 114 registers, half the shared memory per stage (sm_120 has 100 KB per SM), the same
     #    3-stage pipeline, and two blocks per SM (by registers) instead of one (by shared memory).
@@ -390,7 +406,7 @@ def draft_config(B, H, D, V, top_k, device, per_head=False, capability=None):
     return dict(BLOCK_B=_p2(B, 16, 64), BLOCK_N=64, BLOCK_K=64,
                 BLOCK_R=block_r, BLOCK_V=128, BLOCK_D=32 if major == 12 and block_r >= 64 else 64,
                 MERGE_R=1, CHUNK=2048, CHUNK_T=1024,
-                num_warps=8 if block_r >= 64 or major == 10 else 4, num_stages=3, res_warps=4, res_stages=3)
+                num_warps=8 if block_r >= 64 or major == 10 or (per_head and major == 8) else 4, num_stages=3, res_warps=4, res_stages=3)
 
 
 def fused_draft(hidden, res_weight, res_bias, lm_head, top_k, *, token_map=None, check_values=True):
