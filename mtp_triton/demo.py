@@ -4,10 +4,13 @@
     python -m mtp_triton demo --model data/tiny-stdlib-llama   # the tiny model trained here (code prompts)
     python -m mtp_triton generate --prompt "What is a Python decorator?"
 
-The demo answers held-out chat prompts of six categories one at a time (batch 1), serially and with MTP, checks that
-both give the same tokens, and reports tau (tokens per verify step), acceptance per depth, decode tokens/s and the
-speedup, per category and overall, next to the speedup predicted when the heads' tree was chosen. It writes
-<out>/demo.csv (one row per prompt and mode) and <out>/demo.png.
+The demo answers held-out chat prompts of six categories one at a time (batch 1), serially, with MTP and with
+`transformers`' own greedy `generate` on the same weights, dtype and prompts (the peer a user already has), each
+prompt in turn. It checks that MTP gives the serial tokens, counts how often transformers does, and reports tau
+(tokens per verify step), acceptance per depth, decode tokens/s and the speedup over both baselines, per category
+and overall, next to the speedup predicted when the heads' tree was chosen, and the fraction of the machine's
+weight-streaming floor each mode reaches (`bench.roofline`). It writes <out>/demo.csv (one row per prompt and mode)
+and <out>/demo.png.
 """
 import argparse
 import json
@@ -18,6 +21,8 @@ import time
 import torch
 
 from .bench.common import EMBEDDED, PROMPTS, ROOT, append_rows, ensure_writable_dir, env_info, save_figure
+from .bench.hf_baseline import hf_twin, time_hf
+from .bench.roofline import roofline_fields
 from .cli import error, float_in, int_at_least
 from .generate import RuntimeConfig, generate
 from .heads import load_heads
@@ -162,13 +167,14 @@ def run_pair(model, heads, tree, ids, max_new, eos, kernels, runtime=None):
     return ser, mtp
 
 
-def summarise(pairs):
-    """Decode tokens/s over all pairs (total tokens / total time), tau and acceptance per depth of the MTP runs."""
+def summarise(runs):
+    """Decode tokens/s over all runs (total tokens / total time) of serial, MTP and transformers, tau and acceptance
+    per depth of the MTP runs. runs: (serial result, MTP result, transformers timing dict) per prompt."""
     def rate(rs):
         tok = sum(r.stats.new_tokens - 1 for r in rs)
         sec = sum(r.stats.total_s - r.stats.ttft_s for r in rs)
         return tok / sec if sec > 0 else float("nan")
-    ser, mtp = [p[0] for p in pairs], [p[1] for p in pairs]
+    ser, mtp, hf = [p[0] for p in runs], [p[1] for p in runs], [p[2] for p in runs]
     steps = sum(sum(r.stats.accept_len_histogram) for r in mtp)
     depth = max(len(r.stats.accept_rate_per_depth) for r in mtp)
     acc = []
@@ -176,22 +182,34 @@ def summarise(pairs):
         w = [(sum(r.stats.accept_len_histogram), r.stats.accept_rate_per_depth[d]) for r in mtp
              if d < len(r.stats.accept_rate_per_depth)]
         acc.append(sum(n * a for n, a in w) / max(sum(n for n, _ in w), 1))
-    return dict(prompts=len(pairs), serial_tok_s=rate(ser), mtp_tok_s=rate(mtp),
-                speedup=rate(mtp) / rate(ser), tau=sum(r.stats.new_tokens - 1 for r in mtp) / max(steps, 1),
-                accept_rate_per_depth=acc, identical=sum(p[0].tokens == p[1].tokens for p in pairs))
+    hf_rate = sum(h["decode_tokens"] for h in hf) / sum(h["decode_s"] for h in hf)
+    return dict(prompts=len(runs), serial_tok_s=rate(ser), mtp_tok_s=rate(mtp), hf_tok_s=hf_rate,
+                speedup=rate(mtp) / rate(ser), speedup_vs_hf=rate(mtp) / hf_rate,
+                tau=sum(r.stats.new_tokens - 1 for r in mtp) / max(steps, 1), accept_rate_per_depth=acc,
+                identical=sum(p[0].tokens == p[1].tokens for p in runs),
+                hf_identical=sum(p[0].tokens[0] == p[2]["tokens"][0] for p in runs),
+                verified_nodes_per_step=sum(r.stats.verified_nodes_per_step * r.stats.steps for r in mtp)
+                / max(sum(r.stats.steps for r in mtp), 1))
 
 
 def summarise_rows(rows):
     """The same summary as `summarise`, from demo.csv rows (strings, one per prompt and mode) -> dict(prompts,
-    serial_tok_s, mtp_tok_s, speedup, tau, identical). Decode tok/s = decode tokens (new tokens minus the prefill's)
-    summed over the prompts / decode seconds summed; tau = the MTP rows' decode tokens / their steps."""
+    serial_tok_s, mtp_tok_s, speedup, tau, identical, and where the rows hold transformers runs: hf_tok_s,
+    speedup_vs_hf, hf_identical). Decode tok/s = decode tokens (new tokens minus the prefill's) summed over the
+    prompts / decode seconds summed; tau = the MTP rows' decode tokens / their steps."""
     def tokens(rs):
         return sum(int(r["new_tokens"]) - 1 for r in rs)
-    ser, mtp = ([r for r in rows if r["mode"] == m] for m in ("serial", "mtp"))
-    rate = {m: tokens(rs) / sum(float(r["decode_s"]) for r in rs) for m, rs in (("serial", ser), ("mtp", mtp))}
-    return dict(prompts=len(mtp), serial_tok_s=rate["serial"], mtp_tok_s=rate["mtp"],
-                speedup=rate["mtp"] / rate["serial"], tau=tokens(mtp) / max(sum(int(r["steps"]) for r in mtp), 1),
-                identical=sum(r["identical"] == "True" for r in mtp))
+    by = {m: [r for r in rows if r["mode"] == m] for m in ("serial", "mtp", "transformers")}
+    rate = {m: tokens(rs) / sum(float(r["decode_s"]) for r in rs) for m, rs in by.items() if rs}
+    mtp = by["mtp"]
+    out = dict(prompts=len(mtp), serial_tok_s=rate["serial"], mtp_tok_s=rate["mtp"],
+               speedup=rate["mtp"] / rate["serial"], tau=tokens(mtp) / max(sum(int(r["steps"]) for r in mtp), 1),
+               identical=sum(r["identical"] == "True" for r in mtp))
+    if by["transformers"]:
+        out.update(hf_tok_s=rate["transformers"], speedup_vs_hf=rate["mtp"] / rate["transformers"],
+                   serial_vs_hf=rate["serial"] / rate["transformers"],
+                   hf_identical=sum(r["identical"] == "True" for r in by["transformers"]))
+    return out
 
 
 def demo(argv=None):
@@ -233,44 +251,64 @@ def demo(argv=None):
           f"{tree.size} nodes (depth {tree.max_depth})"
           + (f", pruned below path probability {a.prune_below:g}" if runtime else ""))
     ids0 = encode(tok, rows[0]["text"])
+    hf = hf_twin(model)                                   # transformers' LlamaForCausalLM on the same weights
     run_pair(model, heads, tree, ids0, 8, eos, a.kernels, runtime)                 # warm-up, not timed
-    pairs, cats = [], []
+    time_hf(hf, [ids0], 8, eos)
+    runs, cats = [], []
     for r in rows:
         ids = encode(tok, r["text"])
         ser, mtp = run_pair(model, heads, tree, ids, a.max_new_tokens, eos, a.kernels, runtime)
-        pairs.append((ser, mtp))
+        peer = time_hf(hf, [ids], a.max_new_tokens, eos, warmup="none")
+        runs.append((ser, mtp, peer))
         cats.append(r.get("category", "all"))
         same = ser.tokens == mtp.tokens
         print(f"\n--- [{cats[-1]}] {r['text'][:90]!r}")
         print(f"    {tok.decode(ser.tokens[0], skip_special_tokens=True)[:240]!r}")
         print(f"    MTP: {'identical' if same else 'DIFFERENT: ' + tok.decode(mtp.tokens[0])[:200]!r}, tau "
-              f"{format_tau(mtp.stats.tokens_per_step)}, {ser.stats.decode_tokens_per_s:.1f} -> "
-              f"{mtp.stats.decode_tokens_per_s:.1f} tok/s")
-    groups = {c: [p for p, pc in zip(pairs, cats) if pc == c] for c in dict.fromkeys(cats)}
+              f"{format_tau(mtp.stats.tokens_per_step)}, {mtp.stats.verified_nodes_per_step:.1f} nodes verified per "
+              f"step; decode tok/s: transformers {peer['decode_tokens_per_s']:.1f}"
+              f"{'' if peer['tokens'][0] == ser.tokens[0] else ' (other tokens)'}, serial "
+              f"{ser.stats.decode_tokens_per_s:.1f}, MTP {mtp.stats.decode_tokens_per_s:.1f}")
+    groups = {c: [p for p, pc in zip(runs, cats) if pc == c] for c in dict.fromkeys(cats)}
     table = {c: summarise(ps) for c, ps in groups.items()}
-    table["all"] = summarise(pairs)
-    print(f"\n| category | prompts | serial tok/s | MTP tok/s | speedup | tau | identical |")
-    print("|---|---|---|---|---|---|---|")
+    table["all"] = summarise(runs)
+    print(f"\n| category | prompts | transformers tok/s | serial tok/s | MTP tok/s | MTP vs serial | MTP vs "
+          f"transformers | tau | identical to serial | transformers identical |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for c, s in table.items():
-        print(f"| {c} | {s['prompts']} | {s['serial_tok_s']:.1f} | {s['mtp_tok_s']:.1f} | {s['speedup']:.2f}x | "
-              f"{s['tau']:.2f} | {s['identical']}/{s['prompts']} |")
+        print(f"| {c} | {s['prompts']} | {s['hf_tok_s']:.1f} | {s['serial_tok_s']:.1f} | {s['mtp_tok_s']:.1f} | "
+              f"{s['speedup']:.2f}x | {s['speedup_vs_hf']:.2f}x | {s['tau']:.2f} | {s['identical']}/{s['prompts']} | "
+              f"{s['hf_identical']}/{s['prompts']} |")
     s = table["all"]
     print("acceptance per depth: " + ", ".join(f"d{d + 1} {r:.0%}" for d, r in enumerate(s["accept_rate_per_depth"])))
+    cost = runs[0][1].stats.cost_model
+    print(f"verified nodes per step: {s['verified_nodes_per_step']:.1f} of the tree's {tree.size}"
+          + (f", sized by this machine's measured step costs: {cost}" if cost else ""))
     predicted = _predicted(heads, tree)
     if predicted is not None:
         print(f"predicted speedup when the tree was chosen: {predicted:.2f}x; measured now: {s['speedup']:.2f}x")
     env = env_info(model.device)
     cmd = "python -m mtp_triton demo " + " ".join(argv if argv is not None else sys.argv[2:])
-    out_rows = [dict(env, run="demo", model=a.model, dtype=str(model.dtype).replace("torch.", ""),
-                     threads=torch.get_num_threads(), prompt_id=r.get("id"), category=c, mode=mode,
-                     tree_size=tree.size, prune_below=a.prune_below,
-                     verified_nodes_per_step=res.stats.verified_nodes_per_step,
-                     max_new_tokens=a.max_new_tokens, kernels=res.stats.kernels,
-                     new_tokens=res.stats.new_tokens, steps=res.stats.steps, tokens_per_step=res.stats.tokens_per_step,
-                     decode_tokens_per_s=res.stats.decode_tokens_per_s, ttft_s=res.stats.ttft_s,
-                     decode_s=res.stats.total_s - res.stats.ttft_s, identical=p[0].tokens == p[1].tokens,
-                     predicted_speedup=predicted, command=cmd)
-                for r, c, p in zip(rows, cats, pairs) for mode, res in (("serial", p[0]), ("mtp", p[1]))]
+    base = dict(env, run="demo", model=a.model, dtype=str(model.dtype).replace("torch.", ""),
+                threads=torch.get_num_threads(), tree_size=tree.size, prune_below=a.prune_below,
+                max_new_tokens=a.max_new_tokens, predicted_speedup=predicted, command=cmd)
+    out_rows = []
+    for r, c, (ser, mtp, peer) in zip(rows, cats, runs):
+        for mode, res in (("serial", ser), ("mtp", mtp)):
+            st = res.stats
+            out_rows.append(dict(base, prompt_id=r.get("id"), category=c, mode=mode,
+                                 verified_nodes_per_step=st.verified_nodes_per_step, cost_model=st.cost_model,
+                                 kernels=st.kernels, new_tokens=st.new_tokens, steps=st.steps,
+                                 tokens_per_step=st.tokens_per_step, decode_tokens_per_s=st.decode_tokens_per_s,
+                                 ttft_s=st.ttft_s, decode_s=st.total_s - st.ttft_s, identical=ser.tokens == mtp.tokens,
+                                 **roofline_fields(model, st.decode_tokens_per_s, st.tokens_per_step)))
+        one = peer["per_prompt"][0]
+        out_rows.append(dict(base, prompt_id=r.get("id"), category=c, mode="transformers", verified_nodes_per_step=1,
+                             kernels="transformers generate (sdpa)", new_tokens=one["new_tokens"],
+                             steps=one["new_tokens"] - 1, tokens_per_step=1.0,
+                             decode_tokens_per_s=peer["decode_tokens_per_s"], ttft_s=one["ttft_s"],
+                             decode_s=one["decode_s"], identical=peer["tokens"][0] == ser.tokens[0],
+                             **roofline_fields(model, peer["decode_tokens_per_s"])))
     append_rows(os.path.join(a.out, "demo.csv"), out_rows)
     _plot(table, env, os.path.join(a.out, "demo.png"))
     print(f"wrote {a.out}/demo.csv and {a.out}/demo.png")
@@ -295,8 +333,9 @@ def _plot(table, env, path):
     cats = [c for c in table if c != "all"] + ["all"]
     fig, ax = plt.subplots(1, 2, figsize=(10, 3.4), dpi=80)
     x = range(len(cats))
-    ax[0].bar([i - 0.2 for i in x], [table[c]["serial_tok_s"] for c in cats], 0.4, label="serial", color="grey")
-    ax[0].bar([i + 0.2 for i in x], [table[c]["mtp_tok_s"] for c in cats], 0.4, label="MTP", color="tab:blue")
+    for off, key, label, color in ((-0.27, "hf_tok_s", "transformers generate", "tab:orange"),
+                                   (0.0, "serial_tok_s", "our serial", "grey"), (0.27, "mtp_tok_s", "our MTP", "tab:blue")):
+        ax[0].bar([i + off for i in x], [table[c][key] for c in cats], 0.27, label=label, color=color)
     ax[0].set_xticks(list(x), cats, rotation=30, fontsize=8)
     ax[0].set_ylabel("decode tokens/s (batch 1)")
     ax[0].legend(fontsize=8)
@@ -306,8 +345,8 @@ def _plot(table, env, path):
     ax[1].set_xlabel("depth")
     ax[1].set_ylabel("acceptance rate")
     ax[1].set_ylim(0, 1)
-    ax[1].set_title(f"tau = {table['all']['tau']:.2f} tokens / step, speedup {table['all']['speedup']:.2f}x",
-                    fontsize=9)
+    ax[1].set_title(f"tau = {table['all']['tau']:.2f} tokens / step; MTP {table['all']['speedup']:.2f}x serial, "
+                    f"{table['all']['speedup_vs_hf']:.2f}x transformers", fontsize=9)
     save_figure(fig, path, close=True)
 
 

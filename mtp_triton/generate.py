@@ -23,7 +23,8 @@ from .ops import get_ops
 from .policy import RuntimeConfig, RuntimePolicy
 from .sampling import Sampler
 from .stats import GenerateStats, StatsRecorder
-from .step import GraphedVerify, Pruner, mtp_step
+from .costs import step_costs
+from .step import CostPruner, GraphedVerify, Pruner, mtp_step
 from .tree import Tree, get_tree
 
 __all__ = ["generate", "prefill", "GenerateResult", "RuntimeConfig"]
@@ -126,6 +127,8 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
             raise ValueError(f"RuntimeConfig.prune_below needs a drafter that reports probabilities; "
                              f"{type(drafter).__name__} does not")
         pruner = Pruner(runtime.prune_below)
+    elif drafter is not None and full_tree.size > 1 and _size_by_cost(runtime, drafter, dev, ops, cuda_graph):
+        pruner = CostPruner(step_costs(model, full_tree.size, kernels, batch=len(prompts)))
     if drafter is not None and model.exact_mode(ops):
         _warn_unless_row_invariant(model.dtype, dev)
     # The kernels' value checks read tensors (a host sync each on a GPU). The loop builds every input itself
@@ -173,7 +176,26 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
         rec.step(dt, accepted, [d for _, d in stepped], emitted, nodes=T)
         rec.fallbacks += policy.update([b for b, _ in stepped], [d for _, d in stepped], accepted, emitted, dt)
 
-    return GenerateResult(out, rec.finish(sum(len(o) for o in out), ops.kind, full_tree.size, cache.nbytes()))
+    return GenerateResult(out, rec.finish(sum(len(o) for o in out), ops.kind, full_tree.size, cache.nbytes(),
+                                          pruner.costs.describe() if isinstance(pruner, CostPruner) else None))
+
+
+def _size_by_cost(runtime, drafter, device, ops, cuda_graph):
+    """Size each step's tree by the measured step costs? RuntimeConfig.size_by_cost: True / False, or None (auto):
+    on a CPU with the PyTorch twins, where c(T) grows with T, for a drafter that reports probabilities; off on a
+    GPU, where c(T) is nearly flat at batch 1 and CUDA graphs want fixed tree sizes, and for the Triton kernels in
+    the interpreter (a teaching path, whose timings mean nothing)."""
+    flag = runtime.size_by_cost if runtime is not None else None
+    probs = getattr(drafter, "reports_probabilities", False)
+    if flag:
+        if not probs:
+            raise ValueError(f"RuntimeConfig.size_by_cost needs a drafter that reports probabilities; "
+                             f"{type(drafter).__name__} does not")
+        if cuda_graph:
+            raise ValueError("RuntimeConfig.size_by_cost changes the verified tree every step; it cannot be "
+                             "combined with cuda_graph=True (one captured graph per tree size)")
+        return True
+    return flag is None and probs and device.type == "cpu" and ops.kind == "torch" and not cuda_graph
 
 
 _PROBED = {}

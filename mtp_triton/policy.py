@@ -1,7 +1,7 @@
 """The runtime policy: how deep each sequence drafts this step, and what it learns from the result.
 
 Speculation pays only while drafts are accepted often enough to cover the cost of verifying them. The policy
-switches it down where it does not pay, per sequence, with four rules (all off by default):
+switches it down where it does not pay, per sequence, with four rules (off by default):
 
 - cold start: the first `cold_start_tokens` new tokens of a sequence are decoded serially (depth 0), so a
   request starts exactly like the baseline and speculation begins once there is some context;
@@ -19,7 +19,9 @@ it changes only how many tokens each step can emit.
 
 A fifth setting works inside each step rather than across steps: confidence pruning (`prune_below`, see
 `step.Pruner`) verifies only the drafted nodes whose path probability under the heads is at least that value, so a
-step whose drafts look unlikely verifies a smaller tree, and costs less.
+step whose drafts look unlikely verifies a smaller tree, and costs less. Its generalisation is on by default on a
+CPU (`size_by_cost`, see `step.CostPruner`): each step verifies the n most probable drafted nodes, with n chosen so
+that expected tokens per measured second of verifying (`costs.StepCosts`, this machine's c(T)) is highest.
 """
 import math
 from collections import deque
@@ -28,7 +30,8 @@ from dataclasses import dataclass
 
 @dataclass
 class RuntimeConfig:
-    """Settings of the runtime policy (see the module docstring); all rules off by default."""
+    """Settings of the runtime policy (see the module docstring); the rules are off by default, sizing the verified
+    tree by its measured cost is on by default on a CPU (size_by_cost=None)."""
     cold_start_tokens: int = 0            # the first N new tokens of a sequence are decoded serially
     dynamic_depth: str = None             # None | "throughput" | "acceptance"
     depth_window: int = 8                 # steps per adjustment window
@@ -42,6 +45,8 @@ class RuntimeConfig:
     fallback_window: int = 8              # speculative steps in the rolling window
     fallback_steps: int = 16              # serial steps before speculation is tried again
     prune_below: float = None             # confidence pruning: verify nodes with path probability >= this only
+    size_by_cost: bool = None             # verify the nodes that pay on this machine (step.CostPruner); None: on a
+                                          #   CPU with a drafter that reports probabilities, unless prune_below is set
 
     def __post_init__(self):
         if self.dynamic_depth not in (None, "throughput", "acceptance"):
@@ -65,6 +70,12 @@ class RuntimeConfig:
         if self.prune_below is not None and (isinstance(self.prune_below, bool) or not (
                 isinstance(self.prune_below, (int, float)) and 0.0 < self.prune_below <= 1.0)):
             raise ValueError(f"RuntimeConfig: prune_below must be a probability in (0, 1], got {self.prune_below!r}")
+
+        if self.size_by_cost not in (None, True, False):
+            raise ValueError(f"RuntimeConfig: size_by_cost must be None (auto), True or False, got "
+                             f"{self.size_by_cost!r}")
+        if self.size_by_cost and self.prune_below is not None:
+            raise ValueError("RuntimeConfig: size_by_cost and prune_below are two ways to prune the tree; set one")
 
     @classmethod
     def of(cls, runtime):

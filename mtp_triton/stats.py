@@ -42,6 +42,8 @@ class GenerateStats:
     verified_nodes_per_step: float  # mean nodes per verify forward, root included (< tree_size with pruning or
                                     #   a shallower runtime depth; nan without steps)
     cache_bytes: int                # bytes of the paged K/V cache allocated for the call
+    cost_model: str = None          # the verify-step costs that sized each step's tree (`costs.StepCosts.describe`;
+                                    #   None when the whole tree was verified, or it was pruned by a threshold)
 
     def as_dict(self):
         """Plain dict (lists copied), for CSV rows and JSON."""
@@ -149,7 +151,7 @@ class StatsRecorder:
         n = sum(emitted)
         self.itl += [seconds / max(n, 1)] * n
 
-    def finish(self, new_tokens, kernels, tree_size, cache_bytes):
+    def finish(self, new_tokens, kernels, tree_size, cache_bytes, cost_model=None):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         total = time.perf_counter() - self.t_start
@@ -173,5 +175,5 @@ class StatsRecorder:
             itl_p99_s=percentile(self.itl, 99),
             tokens_per_s=new_tokens / total, decode_tokens_per_s=decode / max(total - ttft, 1e-12),
             peak_memory_bytes=peak_memory_bytes(self.device), energy_j=energy, kernels=kernels,
-            tree_size=tree_size, cache_bytes=cache_bytes,
+            tree_size=tree_size, cache_bytes=cache_bytes, cost_model=cost_model,
             verified_nodes_per_step=self.nodes / self.steps if self.steps else float("nan"))

@@ -84,13 +84,17 @@ class Pruner:
         self.trees = {}
         self.ancestors = {}                 # (tree.paths, device) -> mask.T as float [T, T] (for the ancestor check's matmul)
 
+    def keep(self, path_prob, on):
+        """path_prob [A, T], on [A, T] (nodes the row uses, root included) -> keep [A, T] bool."""
+        return on & (path_prob >= self.min_prob)
+
     def __call__(self, tree, tokens, path_prob, parents):
         """tree with T nodes, tokens [A, T], path_prob [A, T], parents [T] or [A, T]
         -> (sub-tree with T' nodes, tokens [A, T'], parents [T'] or [A, T'])"""
         A, T = tokens.shape
         on = (parents >= 0).expand(A, T).clone()
         on[:, 0] = True
-        keep = on & (path_prob >= self.min_prob)
+        keep = self.keep(path_prob, on)
         keep[:, 0] = True
         key = (tree.paths, tree.mask.device)
         anc = self.ancestors.get(key)
@@ -105,6 +109,37 @@ class Pruner:
         # at batch 1 the union is the row's own kept set; with more rows a node some row did not keep is off for it
         sub_parents = sub.parents if A == 1 else torch.where(keep[:, idx], sub.parents[None, :], -1)
         return sub, tokens[:, idx], sub_parents
+
+
+class CostPruner(Pruner):
+    """Size each step's verified tree by cost: keep the n nodes that maximise expected tokens per second.
+
+        E_a(n) = 1 + sum of the n - 1 largest path probabilities of row a's drafted nodes    (tokens the step emits
+                                                                                              if the heads are right)
+        n_a = argmax_n E_a(n) / c(n),   c(n) = the measured cost of verifying n nodes (`costs.StepCosts`)
+        keep[a, i] = node i is among the n_a most probable nodes of row a (ties: the lower node first)
+
+    A child's path probability never exceeds its parent's, so the kept set is a subtree, as for `Pruner`, which
+    this generalises: a fixed threshold becomes the threshold that pays on this machine. n_a = 1 (the root alone)
+    makes the step a serial one. Lossless whatever the costs: the choice reads only the drafter. The heads'
+    probabilities are taken at face value; drafting itself costs the same whatever n and is left out."""
+
+    def __init__(self, costs):
+        self.costs = costs
+        self.min_prob = 0.0                 # draft() then reports path probabilities without cutting any
+        self.trees, self.ancestors, self.ratio = {}, {}, {}
+
+    def keep(self, path_prob, on):
+        A, T = path_prob.shape
+        if T not in self.ratio:
+            self.ratio[T] = self.costs.ratios(T).to(path_prob.device)                    # [T] c(n) / c(1)
+        p = torch.where(on, path_prob.double(), 0.0)
+        p[:, 0] = 2.0                                                                   # the root always first
+        order = torch.sort(p, dim=1, descending=True, stable=True).indices              # [A, T]
+        gain = torch.cumsum(p.gather(1, order), dim=1) - 1.0                            # [A, T] E(n), n = 1 .. T
+        n = torch.argmax(gain / self.ratio[T], dim=1)                                   # [A] n_a - 1
+        rank = torch.empty_like(order).scatter_(1, order, torch.arange(T, device=p.device).expand(A, T))
+        return on & (rank <= n[:, None])
 
 
 def verify(model, cache, rows, tokens, tree, ops, check_values=True, graphs=None):

@@ -5,9 +5,11 @@
 * `gpu` marker: skipped without CUDA.
 * `nan_like` / `poison`: NaN-filled outputs and padding, so an element a kernel forgets to write
   (or writes out of bounds) fails the test.
+* MTP_TRITON_CACHE: the measured verify-step costs (mtp_triton.costs) go to a fresh folder, not ~/.cache.
 * `assert_close`: one comparison that reports max-abs and max-relative error.
 """
 import os
+import tempfile
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from mtp_triton.kernels import use_interpreter
 if not torch.cuda.is_available():
     use_interpreter()              # before any test module imports a kernel
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MTP_TRITON_CACHE", tempfile.mkdtemp(prefix="mtp-triton-costs-"))  # measured c(T), per run
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

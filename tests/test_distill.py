@@ -44,7 +44,8 @@ def decoded_tau(model, heads, rows, tree):
     """Tokens per step of real greedy MTP runs over the answer rows (each must reproduce its answer exactly)."""
     emitted = steps = 0
     for r in rows:
-        res = mt.generate(model, [r["prompt_ids"]], len(r["answer_ids"]), heads=heads, tree=tree)
+        res = mt.generate(model, [r["prompt_ids"]], len(r["answer_ids"]), heads=heads, tree=tree,
+                          runtime=mt.RuntimeConfig(size_by_cost=False))    # the whole tree, as simulated
         assert res.tokens[0] == r["answer_ids"]
         emitted += res.stats.new_tokens - 1
         steps += sum(res.stats.accept_len_histogram)

@@ -17,8 +17,11 @@ import mtp_triton as mt
 import mtp_triton.reference as reference
 from mtp_triton.__main__ import main as cli
 from mtp_triton.bench import evaluate as ev
+from mtp_triton.costs import StepCosts
 from mtp_triton.generate import prefill
 from mtp_triton.ops import get_ops
+
+generate_module = importlib.import_module("mtp_triton.generate")     # the module (mt.generate is the function)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER = os.path.join(ROOT, "data", "tiny-stdlib-llama")
@@ -129,6 +132,8 @@ def _accept_one_wrong_token(orig):
 
 def test_quality_gate_fails_on_broken_acceptance(tiny_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(reference, "tree_accept", _accept_one_wrong_token(reference.tree_accept))
+    # flat step costs: every step verifies its whole tree, so every request meets the broken rule
+    monkeypatch.setattr(generate_module, "step_costs", lambda model, n, *a, **k: StepCosts([1, n], [1.0, 1.0]))
     out = str(tmp_path / "broken")
     rc = ev.main(["--model", tiny_dir, "--quick", "--scenarios", "code_completion", "--no-edge", "--out", out,
                   "--no-progress"])

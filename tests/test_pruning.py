@@ -118,7 +118,8 @@ def test_pruned_decoding_is_lossless_and_verifies_fewer_nodes(case, kind, min_pr
     model, prompts, ref = case
     D = model.config.hidden_size
     heads = mt.init_heads(model, 4, seed=2) if kind == "medusa" else token_heads(4, D, 2, seed=3, scale=30.0)
-    full = mt.generate(model, prompts, 24, heads=heads, tree="medusa-16")
+    full = mt.generate(model, prompts, 24, heads=heads, tree="medusa-16",
+                       runtime=mt.RuntimeConfig(size_by_cost=False))       # the whole tree every step
     res = mt.generate(model, prompts, 24, heads=heads, tree="medusa-16",
                       runtime=mt.RuntimeConfig(prune_below=min_prob))
     assert res.tokens == ref == full.tokens                  # batch 2: rows keep different nodes

@@ -50,15 +50,17 @@ def hf_twin(model):
     return hf
 
 
-def time_hf(hf, prompts, max_new_tokens, eos_token_id=None):
-    """HF greedy `generate` one prompt at a time: decode tokens/s (prefill excluded as for ours), tokens/J, tokens."""
+def time_hf(hf, prompts, max_new_tokens, eos_token_id=None, warmup="each"):
+    """HF greedy `generate` one prompt at a time: decode tokens/s (prefill excluded as for ours), tokens/J, tokens.
+    warmup: "each" (an 8-token generate before every prompt), "first" (before the first prompt only) or "none"."""
     dev = hf.device
     kw = dict(do_sample=False, pad_token_id=0, eos_token_id=eos_token_id)
-    decode_s, decode_tokens, new, energy, tokens = 0.0, 0, 0, 0.0, []
-    for p in prompts:
+    decode_s, decode_tokens, new, energy, tokens, per_prompt = 0.0, 0, 0, 0.0, [], []
+    for i, p in enumerate(prompts):
         ids = torch.tensor([p], device=dev)
         with torch.no_grad():
-            hf.generate(ids, max_new_tokens=min(8, max_new_tokens), **kw)           # warm-up
+            if warmup == "each" or (warmup == "first" and i == 0):
+                hf.generate(ids, max_new_tokens=min(8, max_new_tokens), **kw)       # warm-up
             _sync(dev)
             t0 = time.perf_counter()
             hf.generate(ids, max_new_tokens=1, **kw)
@@ -75,10 +77,11 @@ def time_hf(hf, prompts, max_new_tokens, eos_token_id=None):
         new += len(gen)
         decode_tokens += len(gen) - 1
         decode_s += max(t_all - t_first, 1e-9)
+        per_prompt.append(dict(new_tokens=len(gen), decode_s=max(t_all - t_first, 1e-9), ttft_s=t_first))
         energy = None if energy is None or e0 is None or e1 is None else energy + (e1 - e0)
     return dict(tokens=tokens, new_tokens=new, decode_tokens=decode_tokens, decode_s=decode_s,
                 decode_tokens_per_s=decode_tokens / decode_s, energy_j=energy,
-                tokens_per_j=(new / energy) if energy else None, tokens_per_step=1.0)
+                tokens_per_j=(new / energy) if energy else None, tokens_per_step=1.0, per_prompt=per_prompt)
 
 
 def hf_row(target, max_new_tokens, ours_serial, base):

@@ -1,0 +1,116 @@
+"""The cost of a verify step on the running machine, c(T): measured once, cached on disk, read by the cost pruner.
+
+A step that verifies T nodes costs c(T) seconds (one forward of T nodes through the target, plus their logits) and
+emits 1 + (accepted drafts) tokens. On a GPU at batch 1, c(T) is nearly flat up to large T: the weights are read
+once either way. On a CPU it is not, and not even monotone: on this project's 2-core machines, bf16 SmolLM2 costs
+c(2) < c(1) (a one-row bf16 matmul takes a slower path), and fp32 costs c(2) ~ 1.4 c(1) (the one-row fp32 matmul
+is a fast matrix-vector kernel). So the tree worth verifying depends on the machine, the dtype and the model —
+the "candidate count adjusted to the chip's load" of an MTP-on-NPU engineering report (BM1684), made concrete.
+
+`step_costs` times c(T) at a few sizes with `tuning.step_cost` (the one verify-step timer) and interpolates
+linearly in between; the table is cached in $MTP_TRITON_CACHE (default ~/.cache/mtp-triton)/step_costs.json, one
+entry per (CPU or GPU, threads, torch, dtype, model shape, kernels, batch), so only a machine's first run pays the
+few seconds of measuring. Delete the file (or an entry) to measure again.
+"""
+import json
+import os
+
+import torch
+
+from .records import cpu_model_and_flags, device_name, write_json
+from .tree import Tree
+
+SIZES = (1, 2, 4, 8, 16, 32, 64)          # T measured (plus the candidate tree's own size); others interpolated
+
+
+def cache_file():
+    """Where the measured tables live: $MTP_TRITON_CACHE/step_costs.json (default ~/.cache/mtp-triton)."""
+    root = os.environ.get("MTP_TRITON_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "mtp-triton")
+    return os.path.join(root, "step_costs.json")
+
+
+def machine_key(model, kernels, batch):
+    """What c(T) depends on, as one string: the processor, threads, torch, dtype, the model's shape, kernels, batch."""
+    c = model.config
+    cpu = cpu_model_and_flags()[0] if model.device.type == "cpu" else ""
+    shape = (f"L{c.num_hidden_layers} D{c.hidden_size} F{c.intermediate_size} Hq{c.num_attention_heads} "
+             f"Hkv{c.num_key_value_heads} Dh{c.head_dim} V{c.vocab_size}")
+    return " | ".join([device_name(model.device), cpu, f"threads {torch.get_num_threads()}", f"torch {torch.__version__}",
+                       str(model.dtype).replace("torch.", ""), shape, f"kernels {kernels}", f"batch {batch}"])
+
+
+class StepCosts:
+    """c(T) for T = 1 .. max_nodes: `seconds(T)` (linear between measured sizes) and `ratio(T)` = c(T) / c(1)."""
+
+    def __init__(self, sizes, seconds, key="", source="measured"):
+        if list(sizes) != sorted(set(sizes)) or sizes[0] != 1 or len(sizes) != len(seconds):
+            raise ValueError(f"StepCosts: sizes must start at 1 and increase, one time each; got {sizes}, {seconds}")
+        if not all(s > 0 for s in seconds):
+            raise ValueError(f"StepCosts: times must be positive, got {seconds}")
+        self.sizes, self.times, self.key, self.source = list(sizes), list(seconds), key, source
+
+    @property
+    def max_nodes(self):
+        return self.sizes[-1]
+
+    def seconds(self, T):
+        """c(T) in seconds: measured, or linear between the two measured sizes around T (clamped at the ends)."""
+        s, t = self.sizes, self.times
+        if T <= s[0]:
+            return t[0]
+        for i in range(1, len(s)):
+            if T <= s[i]:
+                w = (T - s[i - 1]) / (s[i] - s[i - 1])
+                return t[i - 1] + w * (t[i] - t[i - 1])
+        return t[-1]
+
+    def ratios(self, T):
+        """[c(1), ..., c(T)] / c(1) as a float64 tensor [T]."""
+        return torch.tensor([self.seconds(n) / self.times[0] for n in range(1, T + 1)], dtype=torch.float64)
+
+    def describe(self):
+        """One line for stats and logs: c(T)/c(1) at the measured sizes, and where the table came from."""
+        return "c(T)/c(1) " + ", ".join(f"{n}:{x / self.times[0]:.2f}" for n, x in zip(self.sizes, self.times)) \
+            + f" ({self.source})"
+
+    def as_dict(self):
+        return dict(sizes=self.sizes, seconds=self.times)
+
+
+def _read(path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}             # no file yet, or a damaged one: measure again (and rewrite it whole)
+
+
+def step_costs(model, max_nodes, kernels="auto", batch=1, path=None, log=None):
+    """The StepCosts of this machine for `model` at batch `batch`, up to `max_nodes` nodes: from the cache file when
+    it holds this machine's entry up to that size, else measured now (a few seconds) and stored atomically."""
+    from .ops import get_ops
+    from .tuning import step_cost
+    kind = get_ops(kernels, model.device).kind
+    path = path or cache_file()
+    key = machine_key(model, kind, batch)
+    entry = _read(path).get(key)
+    try:
+        if entry and entry["sizes"][-1] >= max_nodes:
+            return StepCosts(entry["sizes"], entry["seconds"], key, f"cached in {path}")
+    except (KeyError, TypeError, ValueError, IndexError):
+        pass                  # a malformed entry: measured again below
+    sizes = sorted({n for n in SIZES if n < max_nodes} | {max_nodes})
+    if log:
+        print(f"measuring the verify-step cost c(T) at T = {sizes} for this machine (once; cached in {path})",
+              file=log)
+    seconds = step_cost(model, [Tree.chain(n - 1) for n in sizes], batch=batch, kernels=kernels)
+    costs = StepCosts(sizes, seconds, key, f"measured now, cached in {path}")
+    table = _read(path)
+    table[key] = costs.as_dict()
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        write_json(path, table)
+    except OSError:
+        costs.source = "measured now (not cached: cannot write " + path + ")"
+    return costs

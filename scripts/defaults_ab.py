@@ -1,0 +1,98 @@
+"""The library's defaults, A/B: serial vs MTP vs transformers in fp32 and bf16, one interleaved run.
+
+    python scripts/defaults_ab.py --out results/cpu/defaults [--prompts 6] [--max-new-tokens 64]
+
+What a user gets with every default: `load_model("smollm2-135m-instruct")` (the checkpoint's dtype: fp32 from the
+GGUF) or with dtype=bfloat16, `load_heads(<shipped heads>)`, then `generate(model, [ids], N, heads=heads)` (MTP,
+the heads' stored tree, each step sized by this machine's measured step costs), against `mtp=False` (our serial),
+against the same call with `RuntimeConfig(size_by_cost=False)` (the whole tree every step: the behaviour before the
+cost model), and against transformers' greedy `generate` on the same weights and dtype. Each prompt runs every
+configuration in turn (so a slow spell of the machine hits all alike). Held-out chat prompts, the first of each
+category. Writes <out>/defaults.csv (one row per prompt, dtype and configuration, with the roofline fields) and
+prints the summary table (decode tokens / decode seconds over the prompts).
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import mtp_triton as mt  # noqa: E402
+from mtp_triton.bench.common import append_rows, env_info  # noqa: E402
+from mtp_triton.bench.hf_baseline import hf_twin, time_hf  # noqa: E402
+from mtp_triton.bench.roofline import roofline_fields  # noqa: E402
+from mtp_triton.demo import CHAT_PROMPTS, HEADS, SMOLLM2, encode, pick_prompts, read_prompts  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.path.join("out", "defaults"))
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    a = ap.parse_args(argv)
+    tok = mt.load_tokenizer(SMOLLM2)
+    rows_in = pick_prompts(read_prompts(CHAT_PROMPTS), 1)[: a.prompts]
+    ids = [encode(tok, r["text"]) for r in rows_in]
+    eos, N = tok.eos_token_id, a.max_new_tokens
+    cmd = "python scripts/defaults_ab.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    rows, summary = [], {}
+    for dtype in (None, torch.bfloat16):
+        model = mt.load_model(SMOLLM2, dtype=dtype)
+        heads = mt.load_heads(HEADS[SMOLLM2])
+        hf = hf_twin(model)
+        name = str(model.dtype).replace("torch.", "")
+        configs = {"serial": dict(mtp=False), "mtp (defaults)": dict(heads=heads),
+                   "mtp, whole tree": dict(heads=heads, runtime=mt.RuntimeConfig(size_by_cost=False))}
+        mt.generate(model, [ids[0]], 8, heads=heads)                                   # warm-up (and c(T))
+        mt.generate(model, [ids[0]], 8, mtp=False)
+        time_hf(hf, [ids[0]], 8, eos)
+        for r, p in zip(rows_in, ids):
+            got = {}
+            for cfg, kw in configs.items():
+                res = mt.generate(model, [p], N, eos_token_id=eos, **kw)
+                s = res.stats
+                got[cfg] = res.tokens[0]
+                rows.append(dict(env_info(model.device), dtype=name, threads=torch.get_num_threads(), config=cfg,
+                                 category=r.get("category"), prompt_id=r.get("id"), new_tokens=s.new_tokens,
+                                 steps=s.steps, tau=s.tokens_per_step, verified_nodes_per_step=s.verified_nodes_per_step,
+                                 decode_s=s.total_s - s.ttft_s, decode_tokens_per_s=s.decode_tokens_per_s,
+                                 cost_model=s.cost_model, identical_to_serial=res.tokens[0] == got["serial"],
+                                 command=cmd, **roofline_fields(model, s.decode_tokens_per_s, s.tokens_per_step)))
+            h = time_hf(hf, [p], N, eos, warmup="none")
+            one = h["per_prompt"][0]
+            rows.append(dict(env_info(model.device), dtype=name, threads=torch.get_num_threads(),
+                             config="transformers generate", category=r.get("category"), prompt_id=r.get("id"),
+                             new_tokens=one["new_tokens"], steps=one["new_tokens"] - 1, tau=1.0,
+                             verified_nodes_per_step=1, decode_s=one["decode_s"],
+                             decode_tokens_per_s=h["decode_tokens_per_s"], cost_model=None,
+                             identical_to_serial=h["tokens"][0] == got["serial"], command=cmd,
+                             **roofline_fields(model, h["decode_tokens_per_s"])))
+        del model, hf
+    os.makedirs(a.out, exist_ok=True)
+    append_rows(os.path.join(a.out, "defaults.csv"), rows)
+    print("| dtype | configuration | decode tok/s | vs our serial | vs transformers | τ | nodes/step | "
+          "identical to serial | worst prompt vs serial |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name in dict.fromkeys(r["dtype"] for r in rows):
+        mine = [r for r in rows if r["dtype"] == name]
+
+        def rate(cfg, rs=mine):
+            sel = [r for r in rs if r["config"] == cfg]
+            return sum(r["new_tokens"] - 1 for r in sel) / sum(r["decode_s"] for r in sel)
+        for cfg in ("transformers generate", "serial", "mtp (defaults)", "mtp, whole tree"):
+            sel = [r for r in mine if r["config"] == cfg]
+            worst = min(rate(cfg, [r for r in mine if r["prompt_id"] == pid]) /
+                        rate("serial", [r for r in mine if r["prompt_id"] == pid]) for pid in [r["prompt_id"] for r in sel])
+            tau = sum(r["new_tokens"] - 1 for r in sel) / sum(r["steps"] for r in sel)
+            nodes = sum(r["verified_nodes_per_step"] for r in sel) / len(sel)
+            print(f"| {name} | {cfg} | {rate(cfg):.1f} | {rate(cfg) / rate('serial'):.2f}× | "
+                  f"{rate(cfg) / rate('transformers generate'):.2f}× | {tau:.2f} | {nodes:.1f} | "
+                  f"{sum(r['identical_to_serial'] for r in sel)}/{len(sel)} | {worst:.2f}× |")
+    print(f"wrote {a.out}/defaults.csv")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

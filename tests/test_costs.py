@@ -1,0 +1,117 @@
+"""The verify-step cost model (mtp_triton.costs) and the pruner it drives (step.CostPruner, on by default on a CPU):
+the table's interpolation and cache, the choice of n per row, and lossless decoding with it."""
+import json
+
+import pytest
+import torch
+
+import mtp_triton as mt
+from mtp_triton import costs
+from mtp_triton.costs import StepCosts, step_costs
+from mtp_triton.drafters import OracleDrafter
+from mtp_triton.step import CostPruner
+from mtp_triton.tree import get_tree
+from hf_models import hf_greedy, make_hf
+from test_pruning import _path_probs
+
+
+@pytest.fixture(scope="module")
+def case():
+    hf = make_hf("gqa-hd16-v203-untied-L2")
+    model = mt.LlamaEngine.from_hf(hf)
+    prompts = [[5, 17, 33, 42, 90, 1], [7, 8, 9]]
+    return model, prompts, hf_greedy(hf, prompts, 24)
+
+
+def test_step_costs_interpolate_and_refuse_bad_tables():
+    c = StepCosts([1, 2, 4, 8], [0.10, 0.08, 0.12, 0.20])
+    assert c.seconds(1) == 0.10 and c.seconds(3) == pytest.approx(0.10) and c.seconds(6) == pytest.approx(0.16)
+    assert c.seconds(50) == 0.20                                          # clamped past the last size
+    assert c.ratios(4).tolist() == pytest.approx([1.0, 0.8, 1.0, 1.2])
+    assert "2:0.80" in c.describe()
+    for sizes, secs in (([2, 4], [1, 1]), ([1, 4, 2], [1, 1, 1]), ([1, 2], [1.0]), ([1, 2], [0.1, 0.0])):
+        with pytest.raises(ValueError, match="StepCosts"):
+            StepCosts(sizes, secs)
+
+
+def test_step_costs_are_measured_once_then_read_from_the_cache(case, tmp_path, monkeypatch):
+    model = case[0]
+    path = str(tmp_path / "sub" / "step_costs.json")
+    calls = []
+    import mtp_triton.tuning as tuning
+    real = tuning.step_cost
+    monkeypatch.setattr(tuning, "step_cost", lambda m, trees, **kw: calls.append([t.size for t in trees])
+                        or real(m, trees, reps=1, **kw))
+    first = step_costs(model, 17, path=path)
+    assert calls == [[1, 2, 4, 8, 16, 17]] and first.sizes == [1, 2, 4, 8, 16, 17]
+    again = step_costs(model, 12, path=path)                              # smaller tree: the same entry serves
+    assert len(calls) == 1 and again.times == first.times and "cached" in again.source
+    step_costs(model, 40, path=path)                                      # a bigger tree: measured again
+    assert calls[-1][-1] == 40
+    with open(path, "w") as f:                                            # a damaged cache: measured again
+        f.write('{"torn')
+    step_costs(model, 17, path=path)
+    assert len(calls) == 3 and json.load(open(path))                      # ... and the file rewritten whole
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 99)            # another machine setting: its own entry
+    assert costs.machine_key(model, "torch", 1) not in json.load(open(path))
+
+
+def _pruner(times):
+    return CostPruner(StepCosts(list(range(1, len(times) + 1)), times))
+
+
+def test_cost_pruner_keeps_the_n_that_pays_per_row():
+    tree = get_tree("medusa-16")
+    T = tree.size
+    g = torch.Generator().manual_seed(0)
+    node = torch.rand(3, T, generator=g)
+    node[:, 0] = 1.0
+    prob = _path_probs(tree, node)
+    tokens = torch.randint(0, 100, (3, T), generator=g)
+    flat = _pruner([1.0] * T)                                             # free nodes: verify all of them
+    sub, _, _ = flat(tree, tokens, prob, tree.parents)
+    assert sub.size == T
+    dear = _pruner([1.0] + [1e6] * (T - 1))                               # any second node costs a fortune: serial
+    sub, sub_tokens, _ = dear(tree, tokens[:1], prob[:1], tree.parents)
+    assert sub.size == 1 and sub_tokens.tolist() == tokens[:1, :1].tolist()
+    # linear cost c(n) = 1 + 0.1 (n - 1): by hand, row 0 keeps its n most probable nodes for the best E(n) / c(n)
+    lin = _pruner([1.0 + 0.1 * n for n in range(T)])
+    keep = lin.keep(prob, torch.ones(3, T, dtype=torch.bool))
+    for a in range(3):
+        p = sorted(prob[a, 1:].tolist(), reverse=True)
+        score = [(1 + sum(p[:n - 1])) / (1 + 0.1 * (n - 1)) for n in range(1, T + 1)]
+        n_best = score.index(max(score)) + 1
+        assert int(keep[a].sum()) == n_best
+        kept = set(keep[a].nonzero()[:, 0].tolist())
+        assert all(int(tree.parents[i]) in kept for i in kept if i > 0)   # a subtree
+    off = torch.ones(3, T, dtype=torch.bool)
+    off[:, T // 2:] = False                                               # nodes a row does not use stay off
+    assert not lin.keep(prob, off)[:, T // 2:].any()
+
+
+def test_default_decoding_sizes_by_cost_and_stays_lossless(case):
+    model, prompts, ref = case
+    heads = mt.init_heads(model, 4, seed=2)
+    auto = mt.generate(model, prompts, 24, heads=heads, tree="medusa-16")
+    full = mt.generate(model, prompts, 24, heads=heads, tree="medusa-16", runtime=mt.RuntimeConfig(size_by_cost=False))
+    assert auto.tokens == full.tokens == ref
+    assert auto.stats.cost_model.startswith("c(T)/c(1) 1:1.00") and full.stats.cost_model is None
+    assert full.stats.verified_nodes_per_step == 17 and 1 <= auto.stats.verified_nodes_per_step <= 17
+    serial = mt.generate(model, prompts, 24, heads=heads, mtp=False)
+    assert serial.stats.cost_model is None and serial.tokens == ref
+    sampled = [mt.generate(model, prompts, 12, heads=heads, tree="medusa-16", temperature=0.8, seed=3,
+                           runtime=mt.RuntimeConfig(size_by_cost=flag)).tokens for flag in (True, False)]
+    assert all(len(t) == 12 for row in sampled for t in row)
+
+
+def test_size_by_cost_settings_are_checked(case):
+    model, prompts, _ = case
+    with pytest.raises(ValueError, match="size_by_cost must be"):
+        mt.RuntimeConfig(size_by_cost="yes")
+    with pytest.raises(ValueError, match="set one"):
+        mt.RuntimeConfig(size_by_cost=True, prune_below=0.1)
+    oracle = OracleDrafter([[1] * 40] * 2, [0.9] * 4, model.config.vocab_size)
+    with pytest.raises(ValueError, match="reports probabilities"):
+        mt.generate(model, prompts, 4, drafter=oracle, tree="chain-4", runtime=mt.RuntimeConfig(size_by_cost=True))
+    res = mt.generate(model, prompts, 4, drafter=oracle, tree="chain-4")   # auto: off for such a drafter
+    assert res.stats.cost_model is None
