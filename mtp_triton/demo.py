@@ -161,10 +161,17 @@ def pick_prompts(rows, per_category):
 
 
 def run_pair(model, heads, tree, ids, max_new, eos, kernels, runtime=None):
-    """Serial then MTP on one prompt (batch 1). -> (serial result, mtp result)"""
+    """Serial then MTP on one prompt (batch 1). -> (serial result, mtp result). tree None: the heads' stored tree,
+    each step sized by the measured step costs (generate's default); a Tree is verified whole."""
     ser = generate(model, [ids], max_new, mtp=False, eos_token_id=eos, kernels=kernels)
     mtp = generate(model, [ids], max_new, heads=heads, tree=tree, eos_token_id=eos, kernels=kernels, runtime=runtime)
     return ser, mtp
+
+
+def generate_tree(arg, heads, tree):
+    """What the demo hands generate(): None for 'stored' when the heads carry their tree (generate's default, sized
+    per step by cost on a CPU), else the picked tree itself (verified whole)."""
+    return None if arg == "stored" and heads.tree is not None else tree
 
 
 def summarise(runs):
@@ -252,12 +259,13 @@ def demo(argv=None):
           + (f", pruned below path probability {a.prune_below:g}" if runtime else ""))
     ids0 = encode(tok, rows[0]["text"])
     hf = hf_twin(model)                                   # transformers' LlamaForCausalLM on the same weights
-    run_pair(model, heads, tree, ids0, 8, eos, a.kernels, runtime)                 # warm-up, not timed
+    gen_tree = generate_tree(a.tree, heads, tree)
+    run_pair(model, heads, gen_tree, ids0, 8, eos, a.kernels, runtime)             # warm-up (and c(T)), not timed
     time_hf(hf, [ids0], 8, eos)
     runs, cats = [], []
     for r in rows:
         ids = encode(tok, r["text"])
-        ser, mtp = run_pair(model, heads, tree, ids, a.max_new_tokens, eos, a.kernels, runtime)
+        ser, mtp = run_pair(model, heads, gen_tree, ids, a.max_new_tokens, eos, a.kernels, runtime)
         peer = time_hf(hf, [ids], a.max_new_tokens, eos, warmup="none")
         runs.append((ser, mtp, peer))
         cats.append(r.get("category", "all"))
@@ -384,7 +392,8 @@ def text_generate(argv=None):
         if not ids:
             raise ValueError("the prompt is empty")
         t0 = time.perf_counter()
-        res = generate(model, [ids], a.max_new_tokens, heads=heads, mtp=not a.no_mtp, tree=tree,
+        res = generate(model, [ids], a.max_new_tokens, heads=heads, mtp=not a.no_mtp,
+                       tree=generate_tree(a.tree, heads, tree),
                        temperature=a.temperature, top_p=a.top_p, seed=a.seed, eos_token_id=tok.eos_token_id,
                        kernels=a.kernels, runtime=runtime)
     except (OSError, ValueError, RuntimeError, TypeError) as e:

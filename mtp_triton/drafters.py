@@ -15,7 +15,13 @@ model's own, whatever is proposed — only the speed depends on the profile.
 import torch
 import torch.nn.functional as F
 
+from .records import cpu_model_and_flags
 from .reference import topk_lower_id_first
+
+
+def native_bf16():
+    """Does this CPU multiply bf16 natively (AVX-512 BF16 or AMX tiles)? Then bf16 drafting is the fast one."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_model_and_flags()[1])
 
 
 def bf16_draft(hidden, res_weight, res_bias, lm_head, top_k, *, token_map=None, logprobs=False):
@@ -43,7 +49,9 @@ class HeadsDrafter:
     synthetic = False
     reports_probabilities = True            # propose(probs=True) / draft_tree(min_prob=...): for step.Pruner
 
-    def __init__(self, heads, model, ops):
+    def __init__(self, heads, model, ops, draft_dtype=None):
+        """draft_dtype: None (auto: bf16 on a CPU with the PyTorch twins for a bf16 model, and for an fp32 model where
+        the CPU multiplies bf16 natively; else the model's dtype), or torch.float32 / torch.bfloat16 to choose."""
         if heads.hidden_size != model.config.hidden_size:
             raise ValueError(f"heads hidden size {heads.hidden_size} != model hidden size {model.config.hidden_size}")
         self.num_heads = heads.num_heads
@@ -54,8 +62,20 @@ class HeadsDrafter:
         # the rows drafting scores: the model's LM head [V, D], the heads' own [H, V, D], or a draft vocabulary's
         # rows [V', D] with token_map [V'] mapping row -> token id (all prepared once, here)
         self.lm_head, self.token_map = heads.draft_weights(model.lm_head.weight)
-        if getattr(ops, "kind", None) == "torch" and dt == torch.bfloat16 and dev.type == "cpu":
-            self.fused_draft = bf16_draft          # the CPU's bf16 matmuls, as the training measures (see below)
+        cpu_twins = getattr(ops, "kind", None) == "torch" and dev.type == "cpu"
+        if draft_dtype is None:
+            draft_dtype = torch.bfloat16 if cpu_twins and (dt == torch.bfloat16 or (
+                dt == torch.float32 and native_bf16())) else dt
+        if draft_dtype != dt and not (cpu_twins and dt == torch.float32 and draft_dtype == torch.bfloat16):
+            raise ValueError(f"HeadsDrafter: draft_dtype must be the model's dtype ({dt}), or torch.bfloat16 for a "
+                             f"float32 model on a CPU with the PyTorch twins; got {draft_dtype}")
+        if cpu_twins and draft_dtype == torch.bfloat16:
+            # the CPU's bf16 matmuls, as the training measures (see bf16_draft). An fp32 model drafts in bf16 too
+            # where the CPU multiplies bf16 natively: half the bytes of the fp32 LM head per draft, the drafts the
+            # training simulated; verification in fp32 decides every token, so the output is unchanged.
+            self.fused_draft = bf16_draft
+            self.res_weight, self.res_bias = (t.to(torch.bfloat16) for t in (self.res_weight, self.res_bias))
+            self.lm_head = self.lm_head.to(torch.bfloat16).contiguous()
         # heads with root input read x' = x + P e_root (heads.py); the kernel is handed x'
         self.root_proj = None if heads.root_proj is None else heads.root_proj.detach().to(dev, dt).contiguous()
         # heads with token inputs also read the drafted tokens of their path: s_h = x' + sum_q Q_q e(y_{h-q})
@@ -85,7 +105,7 @@ class HeadsDrafter:
 
     def _draft(self, x, w, b, lm, k, probs):
         if self.fused_draft is bf16_draft:
-            return bf16_draft(x, w, b, lm, k, token_map=self.token_map, logprobs=probs)
+            return bf16_draft(x.to(w.dtype), w, b, lm, k, token_map=self.token_map, logprobs=probs)
         return self.fused_draft(x, w, b, lm, k, token_map=self.token_map)
 
     def _plan(self, tree, device):

@@ -79,7 +79,8 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
     """Generate up to max_new_tokens per prompt with MTP (or serially: mtp=False, or no heads).
 
     prompts: list of token-id lists (lengths may differ) or a LongTensor [B, S]. tree: a Tree, a preset name or
-    Medusa-style choices (None: the heads' stored tree, else the package default). temperature 0: greedy; > 0:
+    Medusa-style choices, verified as given (None: the heads' stored tree, else the package default, and on a CPU
+    each step verifies the part of it that pays on this machine's measured step costs: RuntimeConfig.size_by_cost). temperature 0: greedy; > 0:
     sampling (top_p nucleus), reproducible from `seed` (an int in [0, 2**64); one generator serves the whole batch,
     so a sampled prompt's tokens depend on its batch-mates: run a prompt alone for samples of its own). eos_token_id: None, an int, a list of ints or an int tensor.
     kernels: "triton" | "torch" | "auto" (Triton on CUDA, the PyTorch twins elsewhere).
@@ -127,7 +128,8 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
             raise ValueError(f"RuntimeConfig.prune_below needs a drafter that reports probabilities; "
                              f"{type(drafter).__name__} does not")
         pruner = Pruner(runtime.prune_below)
-    elif drafter is not None and full_tree.size > 1 and _size_by_cost(runtime, drafter, dev, ops, cuda_graph):
+    elif drafter is not None and full_tree.size > 1 and _size_by_cost(runtime, drafter, dev, ops, cuda_graph,
+                                                                        pinned=tree is not None):
         pruner = CostPruner(step_costs(model, full_tree.size, kernels, batch=len(prompts)))
     if drafter is not None and model.exact_mode(ops):
         _warn_unless_row_invariant(model.dtype, dev)
@@ -180,9 +182,11 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
                                           pruner.costs.describe() if isinstance(pruner, CostPruner) else None))
 
 
-def _size_by_cost(runtime, drafter, device, ops, cuda_graph):
+def _size_by_cost(runtime, drafter, device, ops, cuda_graph, pinned):
     """Size each step's tree by the measured step costs? RuntimeConfig.size_by_cost: True / False, or None (auto):
-    on a CPU with the PyTorch twins, where c(T) grows with T, for a drafter that reports probabilities; off on a
+    when no tree was passed (tree=None: the heads' stored tree, or the default, is the candidate set; a tree passed
+    in is verified as given), on a CPU with the PyTorch twins, where c(T) grows with T, for a drafter that reports
+    probabilities; off on a
     GPU, where c(T) is nearly flat at batch 1 and CUDA graphs want fixed tree sizes, and for the Triton kernels in
     the interpreter (a teaching path, whose timings mean nothing)."""
     flag = runtime.size_by_cost if runtime is not None else None
@@ -195,7 +199,7 @@ def _size_by_cost(runtime, drafter, device, ops, cuda_graph):
             raise ValueError("RuntimeConfig.size_by_cost changes the verified tree every step; it cannot be "
                              "combined with cuda_graph=True (one captured graph per tree size)")
         return True
-    return flag is None and probs and device.type == "cpu" and ops.kind == "torch" and not cuda_graph
+    return flag is None and not pinned and probs and device.type == "cpu" and ops.kind == "torch" and not cuda_graph
 
 
 _PROBED = {}

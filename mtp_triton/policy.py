@@ -46,7 +46,8 @@ class RuntimeConfig:
     fallback_steps: int = 16              # serial steps before speculation is tried again
     prune_below: float = None             # confidence pruning: verify nodes with path probability >= this only
     size_by_cost: bool = None             # verify the nodes that pay on this machine (step.CostPruner); None: on a
-                                          #   CPU with a drafter that reports probabilities, unless prune_below is set
+                                          #   CPU with a drafter that reports probabilities, when generate() got
+                                          #   tree=None and prune_below is not set
 
     def __post_init__(self):
         if self.dynamic_depth not in (None, "throughput", "acceptance"):

@@ -26,6 +26,36 @@ from mtp_triton.bench.roofline import roofline_fields  # noqa: E402
 from mtp_triton.demo import CHAT_PROMPTS, HEADS, SMOLLM2, encode, pick_prompts, read_prompts  # noqa: E402
 
 
+CONFIGS = ("transformers generate", "serial", "mtp (defaults)", "mtp, whole tree")
+
+
+def summary_lines(rows):
+    """The markdown table of defaults.csv rows (dicts; CSV strings or numbers): per dtype and configuration, decode
+    tokens / decode seconds over the prompts, the ratios to our serial and to transformers, tau, nodes per step, how
+    many outputs equal our serial's, and the worst single prompt against our serial."""
+    num = lambda r, k: float(r[k])                                          # noqa: E731
+
+    def rate(sel):
+        return sum(num(r, "new_tokens") - 1 for r in sel) / sum(num(r, "decode_s") for r in sel)
+    out = ["| dtype | configuration | decode tok/s | vs our serial | vs transformers | τ | verified nodes/step | "
+           "identical to our serial | worst prompt vs our serial |", "|---|---|---|---|---|---|---|---|---|"]
+    for name in dict.fromkeys(r["dtype"] for r in rows):
+        mine = [r for r in rows if r["dtype"] == name]
+        by = {c: [r for r in mine if r["config"] == c] for c in CONFIGS}
+        pids = list(dict.fromkeys(r["prompt_id"] for r in by["serial"]))
+        for c in CONFIGS:
+            sel = by[c]
+            worst = min(rate([r for r in sel if r["prompt_id"] == p]) /
+                        rate([r for r in by["serial"] if r["prompt_id"] == p]) for p in pids)
+            tau = sum(num(r, "new_tokens") - 1 for r in sel) / sum(num(r, "steps") for r in sel)
+            nodes = sum(num(r, "verified_nodes_per_step") for r in sel) / len(sel)
+            same = sum(str(r["identical_to_serial"]) == "True" for r in sel)
+            out.append(f"| {name} | {c} | {rate(sel):.1f} | {rate(sel) / rate(by['serial']):.2f}× | "
+                       f"{rate(sel) / rate(by['transformers generate']):.2f}× | {tau:.2f} | {nodes:.1f} | "
+                       f"{same}/{len(sel)} | {worst:.2f}× |")
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join("out", "defaults"))
@@ -58,6 +88,7 @@ def main(argv=None):
                                  category=r.get("category"), prompt_id=r.get("id"), new_tokens=s.new_tokens,
                                  steps=s.steps, tau=s.tokens_per_step, verified_nodes_per_step=s.verified_nodes_per_step,
                                  decode_s=s.total_s - s.ttft_s, decode_tokens_per_s=s.decode_tokens_per_s,
+                                 draft_s=s.time_draft_s, verify_s=s.time_verify_s,
                                  cost_model=s.cost_model, identical_to_serial=res.tokens[0] == got["serial"],
                                  command=cmd, **roofline_fields(model, s.decode_tokens_per_s, s.tokens_per_step)))
             h = time_hf(hf, [p], N, eos, warmup="none")
@@ -72,24 +103,7 @@ def main(argv=None):
         del model, hf
     os.makedirs(a.out, exist_ok=True)
     append_rows(os.path.join(a.out, "defaults.csv"), rows)
-    print("| dtype | configuration | decode tok/s | vs our serial | vs transformers | τ | nodes/step | "
-          "identical to serial | worst prompt vs serial |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for name in dict.fromkeys(r["dtype"] for r in rows):
-        mine = [r for r in rows if r["dtype"] == name]
-
-        def rate(cfg, rs=mine):
-            sel = [r for r in rs if r["config"] == cfg]
-            return sum(r["new_tokens"] - 1 for r in sel) / sum(r["decode_s"] for r in sel)
-        for cfg in ("transformers generate", "serial", "mtp (defaults)", "mtp, whole tree"):
-            sel = [r for r in mine if r["config"] == cfg]
-            worst = min(rate(cfg, [r for r in mine if r["prompt_id"] == pid]) /
-                        rate("serial", [r for r in mine if r["prompt_id"] == pid]) for pid in [r["prompt_id"] for r in sel])
-            tau = sum(r["new_tokens"] - 1 for r in sel) / sum(r["steps"] for r in sel)
-            nodes = sum(r["verified_nodes_per_step"] for r in sel) / len(sel)
-            print(f"| {name} | {cfg} | {rate(cfg):.1f} | {rate(cfg) / rate('serial'):.2f}× | "
-                  f"{rate(cfg) / rate('transformers generate'):.2f}× | {tau:.2f} | {nodes:.1f} | "
-                  f"{sum(r['identical_to_serial'] for r in sel)}/{len(sel)} | {worst:.2f}× |")
+    print("\n".join(summary_lines(rows)))
     print(f"wrote {a.out}/defaults.csv")
     return 0
 

@@ -3,7 +3,8 @@
     python scripts/render_readme_results.py          # rewrite the block between the markers
     python scripts/render_readme_results.py --check  # exit 1 if README.md is out of date (used by a test)
 
-Sources: results/cpu/demo/demo.csv (the main job), results/cpu/eval/eval.csv (the evaluation harness),
+Sources: results/cpu/demo/demo.csv (the main job), results/cpu/defaults/defaults.csv (the library defaults A/B),
+results/cpu/eval/eval.csv (the evaluation harness),
 data/smollm2-135m-instruct-heads/records/train_distill.json (the heads' held-out tau), results/cpu/tables/tables.csv
 (the measured depth sweep), results/cpu/prune/prune.csv (confidence pruning), results/aot/aot.csv (the ahead-of-time GPU audit), and results/<gpu>/ if any.
 """
@@ -231,9 +232,30 @@ def aot_block(path):
     return out + [""]
 
 
+def defaults_block(path):
+    """The library defaults A/B (scripts/defaults_ab.py): the newest run's rows, its table."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("defaults_ab", os.path.join(ROOT, "scripts", "defaults_ab.py"))
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    rows = _latest(_rows(path), key="command")
+    m = rows[0]
+    n = len({r["prompt_id"] for r in rows})
+    return [f"**Library defaults** (`{m['command']}`; {_stamp(m)}; smollm2-135m-instruct, {m['threads']} threads, "
+            f"batch 1, greedy, {n} held-out chat prompts (the first of each category), each configuration on each "
+            f"prompt in turn; `load_model` with its default dtype (the checkpoint's: float32) and with bfloat16, "
+            f"`load_heads`, `generate(..., heads=heads)`; rows: `{os.path.relpath(path, ROOT)}`):\n",
+            *ab.summary_lines(rows),
+            "\n`mtp (defaults)` sizes each step's tree by this machine's measured step costs; `mtp, whole tree` is "
+            "the same call with `RuntimeConfig(size_by_cost=False)`, the behaviour before the cost model. "
+            "`transformers generate` is `generate(do_sample=False)` on the same weights and dtype; in bfloat16 it "
+            "rounds differently from our exact mode, hence fewer identical outputs.", ""]
+
+
 def render():
     out = []
-    for path, block in (("results/cpu/demo/demo.csv", demo_block), ("results/cpu/eval/eval.csv", eval_block),
+    for path, block in (("results/cpu/demo/demo.csv", demo_block), ("results/cpu/defaults/defaults.csv", defaults_block),
+                        ("results/cpu/eval/eval.csv", eval_block),
                         ("data/smollm2-135m-instruct-heads/records/train_distill.json", heads_block),
                         ("results/cpu/tables/tables.csv", sweep_block), ("results/cpu/prune/prune.csv", prune_block),
                         ("results/aot/aot.csv", aot_block)):

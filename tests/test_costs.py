@@ -92,14 +92,19 @@ def test_cost_pruner_keeps_the_n_that_pays_per_row():
 def test_default_decoding_sizes_by_cost_and_stays_lossless(case):
     model, prompts, ref = case
     heads = mt.init_heads(model, 4, seed=2)
-    auto = mt.generate(model, prompts, 24, heads=heads, tree="medusa-16")
-    full = mt.generate(model, prompts, 24, heads=heads, tree="medusa-16", runtime=mt.RuntimeConfig(size_by_cost=False))
-    assert auto.tokens == full.tokens == ref
+    heads.tree = mt.get_tree("medusa-16").paths[1:]                       # a tree stored with the heads
+    auto = mt.generate(model, prompts, 24, heads=heads)
+    full = mt.generate(model, prompts, 24, heads=heads, runtime=mt.RuntimeConfig(size_by_cost=False))
+    pinned = mt.generate(model, prompts, 24, heads=heads, tree="medusa-16")   # a tree passed in: verified whole
+    assert auto.tokens == full.tokens == pinned.tokens == ref
     assert auto.stats.cost_model.startswith("c(T)/c(1) 1:1.00") and full.stats.cost_model is None
+    assert pinned.stats.cost_model is None and pinned.stats.verified_nodes_per_step == 17
     assert full.stats.verified_nodes_per_step == 17 and 1 <= auto.stats.verified_nodes_per_step <= 17
+    forced = mt.generate(model, prompts, 24, heads=heads, tree="medusa-16", runtime=mt.RuntimeConfig(size_by_cost=True))
+    assert forced.tokens == ref and forced.stats.cost_model is not None
     serial = mt.generate(model, prompts, 24, heads=heads, mtp=False)
     assert serial.stats.cost_model is None and serial.tokens == ref
-    sampled = [mt.generate(model, prompts, 12, heads=heads, tree="medusa-16", temperature=0.8, seed=3,
+    sampled = [mt.generate(model, prompts, 12, heads=heads, temperature=0.8, seed=3,
                            runtime=mt.RuntimeConfig(size_by_cost=flag)).tokens for flag in (True, False)]
     assert all(len(t) == 12 for row in sampled for t in row)
 
@@ -115,3 +120,25 @@ def test_size_by_cost_settings_are_checked(case):
         mt.generate(model, prompts, 4, drafter=oracle, tree="chain-4", runtime=mt.RuntimeConfig(size_by_cost=True))
     res = mt.generate(model, prompts, 4, drafter=oracle, tree="chain-4")   # auto: off for such a drafter
     assert res.stats.cost_model is None
+
+
+def test_an_fp32_model_drafts_in_bf16_where_the_cpu_has_it(case, monkeypatch):
+    """Drafts only steer speed: an fp32 engine on a CPU with native bf16 drafts with bf16 weights (half the LM-head
+    bytes per draft), and the output is still the target's own."""
+    import mtp_triton.drafters as drafters
+    from mtp_triton.ops import get_ops
+    model, prompts, _ = case
+    model = mt.LlamaEngine.from_hf(make_hf("gqa-hd16-v203-untied-L2"), dtype=torch.float32)
+    ref = mt.generate(model, prompts, 24, mtp=False).tokens
+    heads = mt.init_heads(model, 4, seed=2)
+    ops = get_ops("torch", model.device)
+    monkeypatch.setattr(drafters, "native_bf16", lambda: True)
+    d = drafters.HeadsDrafter(heads, model, ops)
+    assert d.fused_draft is drafters.bf16_draft and d.lm_head.dtype == d.res_weight.dtype == torch.bfloat16
+    assert mt.generate(model, prompts, 24, heads=heads).tokens == ref
+    monkeypatch.setattr(drafters, "native_bf16", lambda: False)
+    d = drafters.HeadsDrafter(heads, model, ops)
+    assert d.fused_draft is not drafters.bf16_draft and d.lm_head.dtype == torch.float32
+    assert drafters.HeadsDrafter(heads, model, ops, draft_dtype=torch.bfloat16).fused_draft is drafters.bf16_draft
+    with pytest.raises(ValueError, match="draft_dtype"):
+        drafters.HeadsDrafter(heads, model, get_ops("triton", model.device), draft_dtype=torch.bfloat16)

@@ -405,7 +405,7 @@ def test_root_input_heads_draft_from_the_root_and_decode_losslessly(medusa_case)
     D = model.config.hidden_size
     heads = root_heads(4, D, seed=3)
     heads.root_proj.data *= 40                              # strong enough that the root changes the drafts
-    drafter = HeadsDrafter(heads, model, get_ops("torch", model.device))
+    drafter = HeadsDrafter(heads, model, get_ops("torch", model.device), draft_dtype=model.dtype)
     dt = model.dtype
     hidden = torch.randn(3, D, generator=torch.Generator().manual_seed(0)).to(dt)
     roots = torch.tensor([1, 50, 99])
@@ -504,7 +504,7 @@ def test_token_input_heads_draft_per_node_and_decode_losslessly(medusa_case, tre
     D = model.config.hidden_size
     heads = token_heads(4, D, 2, seed=3, scale=30.0)         # strong enough that the path changes the drafts
     heads.token_map = torch.arange(0, model.config.vocab_size, 2)   # and through a draft vocabulary
-    drafter = HeadsDrafter(heads, model, get_ops("torch", model.device))
+    drafter = HeadsDrafter(heads, model, get_ops("torch", model.device), draft_dtype=model.dtype)
     assert drafter.sequential
     t = get_tree(tree)
     hidden = torch.randn(3, D, generator=torch.Generator().manual_seed(0)).to(model.dtype)
@@ -514,7 +514,7 @@ def test_token_input_heads_draft_per_node_and_decode_losslessly(medusa_case, tre
     if t.max_depth > 1:                                       # siblings' children differ: the path matters
         flat = token_heads(4, D, 2, seed=3, scale=0.0)       # the same heads, blind to the path
         flat.token_map = heads.token_map
-        assert not torch.equal(got, HeadsDrafter(flat, model, get_ops("torch", model.device)).draft_tree(hidden, roots, t))
+        assert not torch.equal(got, HeadsDrafter(flat, model, get_ops("torch", model.device), draft_dtype=model.dtype).draft_tree(hidden, roots, t))
     with pytest.raises(ValueError, match="draft_tree"):
         drafter.propose(hidden, 4, roots=roots)
     assert mt.generate(model, prompts, 24, heads=heads, tree=tree).tokens == ref
@@ -532,6 +532,6 @@ def test_token_input_tree_draft_with_the_triton_kernel_equals_its_twin(tiny_mode
     tree = mt.Tree.from_choices([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 1, 1)])
     hidden = torch.randn(2, D, generator=torch.Generator().manual_seed(1)).to(model.dtype)
     roots = torch.tensor([3, V - 1])
-    got = HeadsDrafter(heads, model, get_ops("triton", model.device)).draft_tree(hidden, roots, tree)
-    want = HeadsDrafter(heads, model, get_ops("torch", model.device)).draft_tree(hidden, roots, tree)
+    got = HeadsDrafter(heads, model, get_ops("triton", model.device), draft_dtype=model.dtype).draft_tree(hidden, roots, tree)
+    want = HeadsDrafter(heads, model, get_ops("torch", model.device), draft_dtype=model.dtype).draft_tree(hidden, roots, tree)
     assert torch.equal(got, want)

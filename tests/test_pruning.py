@@ -84,7 +84,7 @@ def test_path_probabilities_are_the_heads_probabilities(case):
     tree = get_tree("medusa-16")
     # Medusa heads (one hidden state, all heads at once): node i's probability is head depth_i - 1's at rank_i
     heads = mt.init_heads(model, 4, seed=1)
-    drafter = HeadsDrafter(heads, model, ops)
+    drafter = HeadsDrafter(heads, model, ops, draft_dtype=model.dtype)
     tokens, prob = draft(drafter, hidden, roots, tree, min_prob=1e-9)
     assert torch.equal(tokens, draft(drafter, hidden, roots, tree))
     lm, tm = heads.draft_weights(model.lm_head.weight)
@@ -93,7 +93,7 @@ def test_path_probabilities_are_the_heads_probabilities(case):
     node[:, 1:] = logp[:, tree.depth[1:] - 1, tree.rank[1:]].double().exp()
     torch.testing.assert_close(prob.double(), _path_probs(tree, node), rtol=1e-5, atol=1e-12)
     # heads that read their path: probabilities fall along every path, tokens as without pruning
-    seq = HeadsDrafter(token_heads(4, D, 2, seed=3, scale=30.0), model, ops)
+    seq = HeadsDrafter(token_heads(4, D, 2, seed=3, scale=30.0), model, ops, draft_dtype=model.dtype)
     tokens, prob = draft(seq, hidden, roots, tree, min_prob=1e-12)
     assert torch.equal(tokens, draft(seq, hidden, roots, tree))
     assert (prob[:, 1:] <= prob[:, tree.parents[1:]]).all() and (prob > 0).all() and (prob[:, 0] == 1).all()
@@ -102,7 +102,7 @@ def test_path_probabilities_are_the_heads_probabilities(case):
 def test_sequential_drafting_stops_where_no_path_is_confident(case, monkeypatch):
     model, _, _ = case
     D = model.config.hidden_size
-    seq = HeadsDrafter(token_heads(4, D, 2, seed=3, scale=30.0), model, get_ops("torch", model.device))
+    seq = HeadsDrafter(token_heads(4, D, 2, seed=3, scale=30.0), model, get_ops("torch", model.device), draft_dtype=model.dtype)
     calls = []
     real = seq._draft
     monkeypatch.setattr(seq, "_draft", lambda *a: calls.append(1) or real(*a))

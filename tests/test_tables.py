@@ -173,6 +173,10 @@ def test_tables_quick_writes_csv_markdown_png(tmp_path):
     rows = list(csv.DictReader(open(tmp_path / "tables.csv")))
     kinds = {r["table"] for r in rows}
     assert {"sweep", "analytic", "phases", "hf"} <= kinds
+    hf = [r for r in rows if r["table"] == "hf"]                     # the peer, plain and zero-training speculation
+    assert {r["provider"] for r in hf} == {"hf-generate", "hf-prompt-lookup"}
+    assert all(float(r["tokens_per_s"]) > 0 and "token-identical" in r["note"] for r in hf)
+    assert "hf-prompt-lookup" in (tmp_path / "tables.md").read_text()
     assert all(r["device"] and r["torch"] and r["commit"] and r["timestamp"] for r in rows), "rows need env_info()"
     sweep = [r for r in rows if r["table"] == "sweep"]
     assert {r["suite"] for r in sweep} == {"embedded", "llama7b"}

@@ -32,7 +32,7 @@ from ..model import LlamaEngine, ModelConfig
 from ..stats import gpu_energy_j  # noqa: F401  (kept importable as e2e.gpu_energy_j)
 from ..tree import Tree, get_tree
 from .common import EMBEDDED, PROMPTS, ROOT, ensure_writable_dir, env_info, int_at_least, save_rows
-from .hf_baseline import hf_row, hf_twin, time_hf  # noqa: F401  (the HF baseline, kept importable from here)
+from .hf_baseline import hf_rows, hf_twin, time_hf  # noqa: F401  (the HF baseline, kept importable from here)
 
 # Llama-2-7B (Touvron et al. 2023): 6.7 B parameters, 13.5 GB in bf16.
 LLAMA7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
@@ -361,7 +361,7 @@ def ab_rows(target, drafting, max_new_tokens, batches=(1,), tree=None, kernels="
                              energy_j=r["energy_j"], tokens_per_j=r["tokens_per_j"],
                              identical_to_serial=r["tokens"] == ser["tokens"]))
     if hf:
-        rows.append(hf_row(target, max_new_tokens, serial_b1, base))
+        rows += hf_rows(target, max_new_tokens, serial_b1, base)
     return rows
 
 

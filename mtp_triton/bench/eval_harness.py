@@ -124,9 +124,10 @@ class Harness:
 
     def run(self, ids, max_new, mtp, tree=None, temperature=None, seed=None, eos=-1, batch=False):
         """One request (or a batch when batch=True) with everything but the MTP switch fixed by the config."""
+        from ..demo import generate_tree           # 'stored': generate's default (sized per step by cost on a CPU)
         t = self.cfg.temperature if temperature is None else temperature
         return generate(self.model, ids if batch else [ids], max_new, heads=self.heads if mtp else None, mtp=mtp,
-                        tree=tree or self.tree, temperature=t, top_p=self.cfg.top_p,
+                        tree=tree or generate_tree(self.cfg.tree, self.heads, self.tree), temperature=t, top_p=self.cfg.top_p,
                         seed=self.cfg.seed if seed is None else seed, eos_token_id=self.eos if eos == -1 else eos,
                         kernels=self.cfg.kernels, runtime=self.runtime)
 

@@ -2,7 +2,7 @@
 
 `hf_twin` builds a `transformers.LlamaForCausalLM` holding exactly our engine's weights; `time_hf` times its greedy
 generate the way ours is timed (decode tokens/s excludes prefill: generate(N) minus generate(1) on the same prompt);
-`hf_row` is the CSV row that compares it with our serial engine.
+`hf_rows` are the CSV rows that compare it, plain and with prompt-lookup decoding, with our serial engine.
 """
 import time
 
@@ -50,11 +50,15 @@ def hf_twin(model):
     return hf
 
 
-def time_hf(hf, prompts, max_new_tokens, eos_token_id=None, warmup="each"):
+def time_hf(hf, prompts, max_new_tokens, eos_token_id=None, warmup="each", prompt_lookup=None):
     """HF greedy `generate` one prompt at a time: decode tokens/s (prefill excluded as for ours), tokens/J, tokens.
-    warmup: "each" (an 8-token generate before every prompt), "first" (before the first prompt only) or "none"."""
+    warmup: "each" (an 8-token generate before every prompt), "first" (before the first prompt only) or "none".
+    prompt_lookup: n for transformers' prompt-lookup decoding (`prompt_lookup_num_tokens=n`: drafts copied from
+    n-gram matches in the context, verified by the model; no training), None for plain greedy."""
     dev = hf.device
     kw = dict(do_sample=False, pad_token_id=0, eos_token_id=eos_token_id)
+    if prompt_lookup is not None:
+        kw["prompt_lookup_num_tokens"] = prompt_lookup
     decode_s, decode_tokens, new, energy, tokens, per_prompt = 0.0, 0, 0, 0.0, [], []
     for i, p in enumerate(prompts):
         ids = torch.tensor([p], device=dev)
@@ -84,20 +88,30 @@ def time_hf(hf, prompts, max_new_tokens, eos_token_id=None, warmup="each"):
                 tokens_per_j=(new / energy) if energy else None, tokens_per_step=1.0, per_prompt=per_prompt)
 
 
-def hf_row(target, max_new_tokens, ours_serial, base):
-    """HF generate(do_sample=False) on a twin holding the same weights, batch 1, vs our serial engine."""
+PROMPT_LOOKUP = 10                     # draft tokens per step of transformers' prompt-lookup rows (its docs' example)
+
+
+def hf_rows(target, max_new_tokens, ours_serial, base):
+    """HF generate(do_sample=False) on a twin holding the same weights, batch 1, vs our serial engine: plain greedy
+    (provider hf-generate) and prompt-lookup decoding (hf-prompt-lookup, the zero-training alternative). -> 2 rows"""
     twin = hf_twin(target.model)
     try:
-        r = time_hf(twin, target.prompts, max_new_tokens, target.eos_token_id)
+        runs = [("hf-generate", "serial", time_hf(twin, target.prompts, max_new_tokens, target.eos_token_id)),
+                ("hf-prompt-lookup", f"prompt-lookup-{PROMPT_LOOKUP}",
+                 time_hf(twin, target.prompts, max_new_tokens, target.eos_token_id, prompt_lookup=PROMPT_LOOKUP))]
     finally:
         del twin
         if target.model.device.type == "cuda":
             torch.cuda.empty_cache()
-    same = sum(a == b for a, b in zip(r["tokens"], ours_serial["tokens"]))
-    return dict(base, provider="hf-generate", batch=1, config="serial", tree_size=1, kernels="transformers (sdpa)",
-                tokens_per_s=r["decode_tokens_per_s"], ms_per_token=1e3 / r["decode_tokens_per_s"],
-                speedup_vs_serial=r["decode_tokens_per_s"] / ours_serial["decode_tokens_per_s"], tau=1.0,
-                energy_j=r["energy_j"], tokens_per_j=r["tokens_per_j"],
-                identical_to_serial=same == len(r["tokens"]),
-                note=f"HF vs our serial engine (batch 1): {same}/{len(r['tokens'])} sequences token-identical; "
-                     "speedup_vs_serial = HF tok/s / ours")
+    rows = []
+    for provider, config, r in runs:
+        same = sum(a == b for a, b in zip(r["tokens"], ours_serial["tokens"]))
+        rows.append(dict(base, provider=provider, batch=1, config=config, tree_size=1, kernels="transformers (sdpa)",
+                         tokens_per_s=r["decode_tokens_per_s"], ms_per_token=1e3 / r["decode_tokens_per_s"],
+                         speedup_vs_serial=r["decode_tokens_per_s"] / ours_serial["decode_tokens_per_s"],
+                         tau=float("nan") if provider == "hf-prompt-lookup" else 1.0,
+                         energy_j=r["energy_j"], tokens_per_j=r["tokens_per_j"],
+                         identical_to_serial=same == len(r["tokens"]),
+                         note=f"{provider} vs our serial engine (batch 1): {same}/{len(r['tokens'])} sequences "
+                              "token-identical; speedup_vs_serial = its tok/s / ours"))
+    return rows

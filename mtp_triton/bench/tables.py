@@ -26,7 +26,8 @@ Writes <out>/tables.csv (rows appended, each with env_info() and a run_id), <out
    next to the measured speedup, and τ_measured / c(T) (what is left is drafting, accept, append and Python).
 3. A per-phase profile (`profile_step`): draft / verify attention / other verify / accept / append / Python;
    on a GPU also a torch.profiler kernel table.
-4. Hugging Face generate(do_sample=False) on the same weights as an outside serial baseline (`hf_baseline.hf_row`).
+4. Hugging Face generate(do_sample=False) on the same weights as an outside serial baseline, plain and with
+   prompt-lookup decoding (`hf_baseline.hf_rows`).
 """
 import argparse
 import contextlib
@@ -44,7 +45,7 @@ from ..cli import error, run
 from .common import (EMBEDDED, KeptRows, append_rows, ensure_writable_dir, env_info, int_at_least, output_lock,
                      read_rows, resume_rows, time_fn, write_text)
 from .eval_harness import fingerprint
-from .hf_baseline import hf_row
+from .hf_baseline import hf_rows
 from .profile_step import kernel_rows, phase_rows
 from .tables_render import (NPU_CONFIGS, PUBLISHED, _table, load_published, markdown, npu_sweep,  # noqa: F401
                             plot)
@@ -183,7 +184,7 @@ def suite_rows(target, draftings, max_new_tokens, *, kernels="auto", hf=True, ph
                                  note=repr(exc)[:300]))
     if hf:
         try:
-            rows.append(dict(hf_row(target, max_new_tokens, serial, dict(base, drafter="none")), table="hf"))
+            rows += [dict(r, table="hf") for r in hf_rows(target, max_new_tokens, serial, dict(base, drafter="none"))]
         except Exception as exc:                       # an HF version that cannot build the twin: say so, go on
             rows.append(dict(base, table="hf", provider="hf-generate", note=f"HF baseline failed: {exc!r}"[:300]))
     return rows

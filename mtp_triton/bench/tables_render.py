@@ -149,9 +149,9 @@ def markdown(rows, published):
                             _n((_f(r.get("fraction")) or 0) * 100, "{:.1f} %")] for r in ker]))
     hf = [r for r in rows if r.get("table") == "hf"]
     if hf:
-        out.append("\n## 5. Hugging Face generate() on the same weights (serial, batch 1)\n\n")
-        out.append(_table(["suite", "model", "hardware", "HF tok/s", "HF / our serial", "HF tok/J", "note"],
-                          [[r["suite"], r.get("model"), r.get("device"), _n(r.get("tokens_per_s")),
+        out.append("\n## 5. Hugging Face generate() on the same weights (greedy and prompt-lookup, batch 1)\n\n")
+        out.append(_table(["suite", "model", "hardware", "provider", "HF tok/s", "HF / our serial", "HF tok/J", "note"],
+                          [[r["suite"], r.get("model"), r.get("device"), r.get("provider"), _n(r.get("tokens_per_s")),
                             _n(r.get("speedup_vs_serial"), "{:.2f}"), _n(r.get("tokens_per_j")), r.get("note", "")]
                            for r in hf]))
     return "".join(out)
