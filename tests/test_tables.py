@@ -180,6 +180,9 @@ def test_tables_quick_writes_csv_markdown_png(tmp_path):
     assert all(r["device"] and r["torch"] and r["commit"] and r["timestamp"] for r in rows), "rows need env_info()"
     sweep = [r for r in rows if r["table"] == "sweep"]
     assert {r["suite"] for r in sweep} == {"embedded", "llama7b"}
+    for r in sweep:                                    # every measured speed row carries its roofline
+        if r["tokens_per_s"]:
+            assert int(r["weight_bytes_per_step"]) > 0 and float(r["copy_gb_s"]) > 0 and 0 < float(r["floor_fraction"])
     for r in sweep:                                    # measured, or skipped with the reason
         assert r["tokens_per_s"] or r["note"].startswith("skipped"), r
     assert {r["config"] for r in sweep} >= {"serial", "MTP-2", "MTP-4", "MTP-8", "tree"}

@@ -46,6 +46,7 @@ from .common import (EMBEDDED, KeptRows, append_rows, ensure_writable_dir, env_i
                      read_rows, resume_rows, time_fn, write_text)
 from .eval_harness import fingerprint
 from .hf_baseline import hf_rows
+from .roofline import roofline_fields
 from .profile_step import kernel_rows, phase_rows
 from .tables_render import (NPU_CONFIGS, PUBLISHED, _table, load_published, markdown, npu_sweep,  # noqa: F401
                             plot)
@@ -163,7 +164,8 @@ def suite_rows(target, draftings, max_new_tokens, *, kernels="auto", hf=True, ph
                              speedup_pct=100 * (speedup - 1), tau=r["tokens_per_step"],
                              accept_rate_per_depth=json.dumps([round(x, 4) for x in r["accept_rate_per_depth"]]),
                              energy_j=r["energy_j"], tokens_per_j=r["tokens_per_j"],
-                             identical_to_serial=r["tokens"] == serial["tokens"]))
+                             identical_to_serial=r["tokens"] == serial["tokens"],
+                             **roofline_fields(model, r["decode_tokens_per_s"], r["tokens_per_step"])))
             log(f"[{target.suite}] {d.label:28} {name:7} T={r['tree_size']:<3} {r['decode_tokens_per_s']:8.1f} "
                 f"tok/s  x{speedup:.2f}  tau {r['tokens_per_step']:.2f}")
         rows += analytic_rows(d, sweep, t1, verify_s, dict(base, drafter=d.label, synthetic_drafts=d.synthetic))
