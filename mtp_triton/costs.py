@@ -40,18 +40,14 @@ def machine_key(model, kernels, batch):
 
 
 class StepCosts:
-    """c(T) for T = 1 .. max_nodes: `seconds(T)` (linear between measured sizes) and `ratio(T)` = c(T) / c(1)."""
+    """c(T) at measured sizes: `seconds(T)` (linear in between) and `ratios(T)` = c(1 .. T) / c(1)."""
 
-    def __init__(self, sizes, seconds, key="", source="measured"):
+    def __init__(self, sizes, seconds, source="measured"):
         if list(sizes) != sorted(set(sizes)) or sizes[0] != 1 or len(sizes) != len(seconds):
             raise ValueError(f"StepCosts: sizes must start at 1 and increase, one time each; got {sizes}, {seconds}")
         if not all(s > 0 for s in seconds):
             raise ValueError(f"StepCosts: times must be positive, got {seconds}")
-        self.sizes, self.times, self.key, self.source = list(sizes), list(seconds), key, source
-
-    @property
-    def max_nodes(self):
-        return self.sizes[-1]
+        self.sizes, self.times, self.source = list(sizes), list(seconds), source
 
     def seconds(self, T):
         """c(T) in seconds: measured, or linear between the two measured sizes around T (clamped at the ends)."""
@@ -86,7 +82,7 @@ def _read(path):
         return {}             # no file yet, or a damaged one: measure again (and rewrite it whole)
 
 
-def step_costs(model, max_nodes, kernels="auto", batch=1, path=None, log=None):
+def step_costs(model, max_nodes, kernels="auto", batch=1, path=None):
     """The StepCosts of this machine for `model` at batch `batch`, up to `max_nodes` nodes: from the cache file when
     it holds this machine's entry up to that size, else measured now (a few seconds) and stored atomically."""
     from .ops import get_ops
@@ -97,15 +93,12 @@ def step_costs(model, max_nodes, kernels="auto", batch=1, path=None, log=None):
     entry = _read(path).get(key)
     try:
         if entry and entry["sizes"][-1] >= max_nodes:
-            return StepCosts(entry["sizes"], entry["seconds"], key, f"cached in {path}")
+            return StepCosts(entry["sizes"], entry["seconds"], f"cached in {path}")
     except (KeyError, TypeError, ValueError, IndexError):
         pass                  # a malformed entry: measured again below
     sizes = sorted({n for n in SIZES if n < max_nodes} | {max_nodes})
-    if log:
-        print(f"measuring the verify-step cost c(T) at T = {sizes} for this machine (once; cached in {path})",
-              file=log)
     seconds = step_cost(model, [Tree.chain(n - 1) for n in sizes], batch=batch, kernels=kernels)
-    costs = StepCosts(sizes, seconds, key, f"measured now, cached in {path}")
+    costs = StepCosts(sizes, seconds, f"measured now, cached in {path}")
     table = _read(path)
     table[key] = costs.as_dict()
     try:

@@ -80,8 +80,8 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
 
     prompts: list of token-id lists (lengths may differ) or a LongTensor [B, S]. tree: a Tree, a preset name or
     Medusa-style choices, verified as given (None: the heads' stored tree, else the package default, and on a CPU
-    each step verifies the part of it that pays on this machine's measured step costs: RuntimeConfig.size_by_cost). temperature 0: greedy; > 0:
-    sampling (top_p nucleus), reproducible from `seed` (an int in [0, 2**64); one generator serves the whole batch,
+    each step verifies the part of it that pays on this machine's measured step costs: RuntimeConfig.size_by_cost).
+    temperature 0: greedy; > 0: sampling (top_p nucleus), reproducible from `seed` (an int in [0, 2**64); one generator serves the whole batch,
     so a sampled prompt's tokens depend on its batch-mates: run a prompt alone for samples of its own). eos_token_id: None, an int, a list of ints or an int tensor.
     kernels: "triton" | "torch" | "auto" (Triton on CUDA, the PyTorch twins elsewhere).
     runtime: a `RuntimeConfig` or a dict of its fields (cold start, dynamic depth, fallback, confidence pruning). block_size: the paged cache's block size.
@@ -186,9 +186,8 @@ def _size_by_cost(runtime, drafter, device, ops, cuda_graph, pinned):
     """Size each step's tree by the measured step costs? RuntimeConfig.size_by_cost: True / False, or None (auto):
     when no tree was passed (tree=None: the heads' stored tree, or the default, is the candidate set; a tree passed
     in is verified as given), on a CPU with the PyTorch twins, where c(T) grows with T, for a drafter that reports
-    probabilities; off on a
-    GPU, where c(T) is nearly flat at batch 1 and CUDA graphs want fixed tree sizes, and for the Triton kernels in
-    the interpreter (a teaching path, whose timings mean nothing)."""
+    probabilities; off on a GPU, where c(T) is nearly flat at batch 1 and CUDA graphs want fixed tree sizes, and
+    for the Triton kernels in the interpreter (a teaching path, whose timings mean nothing)."""
     flag = runtime.size_by_cost if runtime is not None else None
     probs = getattr(drafter, "reports_probabilities", False)
     if flag:

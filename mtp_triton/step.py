@@ -81,7 +81,7 @@ class Pruner:
         if not 0.0 < float(min_prob) <= 1.0:
             raise ValueError(f"Pruner: min_prob must be in (0, 1], got {min_prob!r}")
         self.min_prob = float(min_prob)
-        self.trees = {}
+        self.trees = {}                     # (tree.paths, kept nodes) -> the sub-tree
         self.ancestors = {}                 # (tree.paths, device) -> mask.T as float [T, T] (for the ancestor check's matmul)
 
     def keep(self, path_prob, on):
@@ -125,9 +125,9 @@ class CostPruner(Pruner):
     probabilities are taken at face value; drafting itself costs the same whatever n and is left out."""
 
     def __init__(self, costs):
-        self.costs = costs
+        super().__init__(1.0)
         self.min_prob = 0.0                 # draft() then reports path probabilities without cutting any
-        self.trees, self.ancestors, self.ratio = {}, {}, {}
+        self.costs, self.ratio = costs, {}  # ratio: T -> c(1 .. T) / c(1) [T] on the device
 
     def keep(self, path_prob, on):
         A, T = path_prob.shape

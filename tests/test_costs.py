@@ -11,16 +11,8 @@ from mtp_triton.costs import StepCosts, step_costs
 from mtp_triton.drafters import OracleDrafter
 from mtp_triton.step import CostPruner
 from mtp_triton.tree import get_tree
-from hf_models import hf_greedy, make_hf
-from test_pruning import _path_probs
-
-
-@pytest.fixture(scope="module")
-def case():
-    hf = make_hf("gqa-hd16-v203-untied-L2")
-    model = mt.LlamaEngine.from_hf(hf)
-    prompts = [[5, 17, 33, 42, 90, 1], [7, 8, 9]]
-    return model, prompts, hf_greedy(hf, prompts, 24)
+from hf_models import make_hf
+from test_pruning import _path_probs, case  # noqa: F401  (case: the tiny model, two prompts, transformers' tokens)
 
 
 def test_step_costs_interpolate_and_refuse_bad_tables():
