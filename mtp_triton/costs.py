@@ -30,13 +30,15 @@ def cache_file():
 
 
 def machine_key(model, kernels, batch):
-    """What c(T) depends on, as one string: the processor, threads, torch, dtype, the model's shape, kernels, batch."""
+    """What c(T) depends on, as one string: the processor, threads, torch, dtype, the model's shape, kernels (and
+    whether the weights are prepacked, `packed.py`), batch."""
+    from .packed import packed_layers
     c = model.config
     cpu = cpu_model_and_flags()[0] if model.device.type == "cpu" else ""
     shape = (f"L{c.num_hidden_layers} D{c.hidden_size} F{c.intermediate_size} Hq{c.num_attention_heads} "
              f"Hkv{c.num_key_value_heads} Dh{c.head_dim} V{c.vocab_size}")
     return " | ".join([device_name(model.device), cpu, f"threads {torch.get_num_threads()}", f"torch {torch.__version__}",
-                       str(model.dtype).replace("torch.", ""), shape, f"kernels {kernels}", f"batch {batch}"])
+                       str(model.dtype).replace("torch.", ""), shape, f"kernels {kernels}" + (" packed" if packed_layers(model) else ""), f"batch {batch}"])
 
 
 class StepCosts:

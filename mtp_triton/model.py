@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import invariant
+from .packed import packed_layers
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -200,6 +201,7 @@ class LlamaEngine(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.pack_weights = True     # bf16 on CPU: matmuls on prepacked weights where exact (mtp_triton/packed.py)
 
     @property
     def device(self):
@@ -247,12 +249,16 @@ class LlamaEngine(nn.Module):
         x = self.embed_tokens(tokens)                                          # [B, T, D]
         exact = self.exact_mode(ops) if exact is None else exact
         lin = invariant.linear if exact else _linear
+        packed = packed_layers(self)                # None: the nn.Linear layers (same bits, slower on a CPU)
+        nq, nkv = Hq * Dh, Hkv * Dh
         plans = {}                                  # exact: one attention plan per distinct window, for all layers
         for l, blk in enumerate(self.layers):
             h = blk.input_layernorm(x)
-            q = lin(blk.q_proj, h).view(B, T, Hq, Dh)
-            k = lin(blk.k_proj, h).view(B, T, Hkv, Dh)
-            v = lin(blk.v_proj, h).view(B, T, Hkv, Dh)
+            if packed:
+                q, k, v = lin(packed.qkv[l], h).split([nq, nkv, nkv], -1)
+            else:
+                q, k, v = lin(blk.q_proj, h), lin(blk.k_proj, h), lin(blk.v_proj, h)
+            q, k, v = q.reshape(B, T, Hq, Dh), k.reshape(B, T, Hkv, Dh), v.reshape(B, T, Hkv, Dh)
             if cfg.qk_norm:
                 q, k = blk.q_norm(q), blk.k_norm(k)                            # per head, over Dh
             q = q * cos + rotate_half(q) * sin
@@ -268,16 +274,22 @@ class LlamaEngine(nn.Module):
                 o = ops.tree_attention(q.contiguous(), cache.k[l], cache.v[l], block_table, cache_lens,
                                        k_tree[l], v_tree[l], tree_mask, window=cfg.window(l),
                                        check_values=check_values and l == 0)   # [B, T, Hq, Dh]
-            x = x + lin(blk.o_proj, o.reshape(B, T, Hq * Dh))
+            o = o.reshape(B, T, Hq * Dh)
+            x = x + lin(packed.o[l] if packed else blk.o_proj, o)
             h = blk.post_attention_layernorm(x)
-            x = x + lin(blk.down_proj, F.silu(lin(blk.gate_proj, h)) * lin(blk.up_proj, h))
+            if packed:
+                g, u = lin(packed.gate_up[l], h).chunk(2, -1)
+            else:
+                g, u = lin(blk.gate_proj, h), lin(blk.up_proj, h)
+            x = x + lin(packed.down[l] if packed else blk.down_proj, F.silu(g) * u)
         return self.norm(x), k_tree, v_tree
 
     def logits(self, hidden):
         """hidden [..., D] -> logits [..., V]. bf16/fp16 on CPU: the rows go through `invariant.linear` (never one
         row alone, never more than invariant.MATMUL_ROWS at once), so a serial step rounds like a tree step."""
         half_cpu = self.dtype in (torch.bfloat16, torch.float16) and self.device.type == "cpu"
-        return invariant.linear(self.lm_head, hidden) if half_cpu else self.lm_head(hidden)
+        packed = packed_layers(self)
+        return invariant.linear(packed.lm_head if packed else self.lm_head, hidden) if half_cpu else self.lm_head(hidden)
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
