@@ -1,16 +1,21 @@
-"""Prepacked bf16 weights on the CPU: the engine's linear layers as oneDNN matmuls on weights reordered once.
+"""Prepacked weights on the CPU: the engine's linear layers as oneDNN matmuls on weights reordered once.
 
-A bf16 matmul of a few rows streams its weight; with nn.Linear the weight is in PyTorch's row-major layout, and
-oneDNN reorders it on every call. `torch.ops.mkldnn._reorder_linear_weight` does that once (this is what inductor's
-`freezing` pass does to the weights of a compiled model), and `torch.ops.mkldnn._linear_pointwise` multiplies by
-the packed copy. On the 2-core AVX512-BF16 CPU this project measures on, a 2-row 576 x 1536 matmul takes 54 us
-packed against 96 us plain, and the 576 x 49152 LM head 3.0 ms against 6.0 ms.
+A matmul of a few rows streams its weight; with nn.Linear the weight is in PyTorch's row-major layout, and oneDNN
+reorders it (bf16) or MKL runs a generic small-M path (fp32) on every call. `torch.ops.mkldnn._reorder_linear_weight`
+reorders it once (this is what inductor's `freezing` pass does to the weights of a compiled model), and
+`torch.ops.mkldnn._linear_pointwise` multiplies by the packed copy. On the 2-core AVX512-BF16 CPU this project
+measures on, a 2-row 576 x 1536 matmul takes ~80 us packed against ~190 us plain (fp32), ~54 against ~96 us
+(bf16), and the 576 x 49152 LM head 5.6 against 25.8 ms (fp32), 3.0 against 6.0 ms (bf16).
 
-The packed matmul gives the same bits as nn.Linear, at every row count (`packing_is_exact` probes this on the
-running machine, and the engine packs only where it holds), so packing changes no output and keeps every property
-the plain layers have, the row invariance of `invariant.linear` included. Two fusions come with it, exact for the
-same reason (a row's bits do not depend on the number of columns): q, k and v are one matmul [D -> (Hq + 2 Hkv) Dh],
-gate and up one [D -> 2F]. That turns 7 matmuls per layer into 4.
+Where packing applies (`packing_applies` probes the running machine once per dtype):
+  bf16  the packed matmul gives nn.Linear's bits at every row count, so packing changes no output at all and keeps
+        every property of the plain layers, the row invariance that `invariant.linear` needs included.
+  fp32  the packed matmul sums in another order than nn.Linear (results differ in the last bits, ~1e-6 relative,
+        as two BLAS libraries differ), and gives each row the same bits whether it is computed with 2 or 32 others.
+        fp32 decoding matches transformers token for token as before (tests/test_loading.py, the demo's count);
+        `model.pack_weights = False` restores nn.Linear's bits.
+Two fusions come with it, exact for the same reason (a row's bits do not depend on the number of columns): q, k and
+v are one matmul [D -> (Hq + 2 Hkv) Dh], gate and up one [D -> 2F]. That turns 7 matmuls per layer into 4.
 
 Cost: a second copy of the linear weights (the packed one), built on the first forward and rebuilt whenever a
 weight changes (a new tensor or an in-place update), so training and `model.to` stay safe.
@@ -22,7 +27,7 @@ import torch.nn.functional as F
 
 
 def _linear_fn(w, b):
-    """x [..., K] -> x @ w.T + b [..., N] through the packed copy of w [N, K] (bf16, CPU)."""
+    """x [..., K] -> x @ w.T + b [..., N] through the packed copy of w [N, K] (bf16 or fp32, CPU)."""
     packed = torch.ops.mkldnn._reorder_linear_weight(w, 2)
     N = w.shape[0]
 
@@ -47,14 +52,15 @@ def _mark_one_row(fns, dtype):
 
 
 @functools.lru_cache(maxsize=None)
-def packing_is_exact(dtype=torch.bfloat16):
-    """Can this machine pack `dtype` weights, and does the packed matmul give nn.Linear's bits at 1 .. 33 rows, with
-    and without a bias, on a fused weight, and each row the same bits among 2 .. 32 rows as `invariant.linear`
-    needs? (A probe on the shapes of a small Llama, a few ms, once per process.)"""
-    if dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+def packing_applies(dtype):
+    """Can this machine pack `dtype` weights with the properties the module docstring lists? A probe on the shapes of
+    a small Llama (576 -> 960, 1536 -> 576, 576 -> 3072, with and without a bias), a few ms, once per process:
+    bf16: the bits of nn.Linear at 1 .. 33 rows; fp32: within 1e-5 of nn.Linear. Both: each row the same bits among
+    2 .. 32 rows (the calls `invariant.linear` makes, and the tree steps of an fp32 model)."""
+    if dtype not in (torch.bfloat16, torch.float32) or not torch.backends.mkldnn.is_available():
         return False
     try:
-        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
             return False
         g = torch.Generator().manual_seed(0)
         for k, n in ((576, 960), (1536, 576), (576, 3072)):
@@ -64,8 +70,11 @@ def packing_is_exact(dtype=torch.bfloat16):
             x = torch.randn(33, k, generator=g).to(dtype)
             full = fb(x[:32])
             for m in (1, 2, 7, 25, 32, 33):
-                if not (torch.equal(f(x[:m]), F.linear(x[:m], w)) and torch.equal(fb(x[:m]), F.linear(x[:m], w, b))):
-                    return False
+                for fn, want in ((f, F.linear(x[:m], w)), (fb, F.linear(x[:m], w, b))):
+                    got = fn(x[:m])
+                    if not (torch.equal(got, want) if dtype == torch.bfloat16 else
+                            torch.allclose(got, want, rtol=1e-5, atol=1e-5)):
+                        return False
                 if 2 <= m <= 32 and not torch.equal(fb(x[32 - m:32]), full[32 - m:]):
                     return False
         return True
@@ -100,9 +109,9 @@ class Packed:
 
 
 def packed_layers(model):
-    """model's Packed layers, built now or reused; None where packing does not apply (not a bf16 model on the CPU,
-    `model.pack_weights` False, or packing not exact on this machine)."""
-    if not (model.pack_weights and model.device.type == "cpu" and packing_is_exact(model.dtype)):
+    """model's Packed layers, built now or reused; None where packing does not apply (not a bf16 or fp32 model on the
+    CPU, `model.pack_weights` False, or the probe fails on this machine)."""
+    if not (model.pack_weights and model.device.type == "cpu" and packing_applies(model.dtype)):
         return None
     p = model.__dict__.get("_packed")
     if p is None or p.key != Packed.key_of(model):

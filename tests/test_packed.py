@@ -1,0 +1,80 @@
+"""Prepacked weights (mtp_triton/packed.py): bf16 packing changes no bit, fp32 packing stays within rounding of
+nn.Linear, a changed weight is packed again, and decoding is unchanged (bf16: bitwise; fp32: the same tokens)."""
+import pytest
+import torch
+
+import mtp_triton as mt
+from mtp_triton.generate import prefill
+from mtp_triton.ops import get_ops
+from mtp_triton.packed import packed_layers, packing_applies
+from mtp_triton.tree import PRESETS, Tree
+from hf_models import make_hf
+
+PROMPTS = [[5, 17, 33, 42, 90, 1] * 6, [7, 8, 9], list(range(10, 47))]
+
+
+def _model(dtype):
+    if not packing_applies(dtype):
+        pytest.skip(f"this CPU cannot pack {dtype} weights as packed.py needs (packing_applies is False)")
+    return mt.LlamaEngine.from_hf(make_hf("gqa-hd16-v203-untied-L2"), dtype=dtype)
+
+
+def _verify(model, tree, packed):
+    """Hidden states and logits of one verify step over `tree` after a 40-token prefill, packed or not."""
+    model.pack_weights = packed
+    ops = get_ops("torch")
+    cache = model.new_cache([40 + tree.size])
+    prefill(model, [list(range(3, 43))], cache, ops)
+    tokens = torch.arange(tree.size)[None] + 50
+    positions = cache.cache_lens.long()[:, None] + tree.depth[None]
+    h, k, v = model.forward_tree(tokens, positions, tree.mask, cache, torch.arange(1), ops)
+    return h, k, model.logits(h)
+
+
+@pytest.mark.parametrize("tree", ["chain-1", "medusa-16"])
+def test_bf16_packing_changes_no_bit(tree):
+    model = _model(torch.bfloat16)
+    tree = Tree.from_choices(PRESETS[tree])
+    plain, packed = _verify(model, tree, False), _verify(model, tree, True)
+    assert packed_layers(model) is not None
+    for a, b in zip(plain, packed):
+        assert torch.equal(a, b)
+
+
+def test_fp32_packing_is_within_rounding():
+    model = _model(torch.float32)
+    tree = Tree.from_choices(PRESETS["medusa-16"])
+    for a, b in zip(_verify(model, tree, False), _verify(model, tree, True)):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), (a - b).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_decoding_is_unchanged_by_packing(dtype):
+    model = _model(dtype)
+    heads = mt.init_heads(model, num_heads=4, seed=2)
+    model.pack_weights = False
+    serial = mt.generate(model, PROMPTS, 24, mtp=False).tokens
+    model.pack_weights = True
+    assert mt.generate(model, PROMPTS, 24, mtp=False).tokens == serial
+    assert mt.generate(model, PROMPTS, 24, heads=heads, tree="medusa-16").tokens == serial
+
+
+def test_a_changed_weight_is_packed_again():
+    model = _model(torch.bfloat16)
+    first = packed_layers(model)
+    assert packed_layers(model) is first                                    # reused while nothing changes
+    with torch.no_grad():
+        model.layers[0].q_proj.weight.mul_(2)                               # in place: the version counter moves
+    second = packed_layers(model)
+    assert second is not first
+    x = torch.randn(3, model.config.hidden_size).to(torch.bfloat16)
+    q = second.qkv[0](x)[:, :model.layers[0].q_proj.out_features]
+    assert torch.equal(q, model.layers[0].q_proj(x))
+    model.pack_weights = False
+    assert packed_layers(model) is None
+
+
+def test_other_dtypes_and_devices_are_not_packed():
+    assert not packing_applies(torch.float16) and not packing_applies(torch.float64)
+    model = mt.LlamaEngine.from_hf(make_hf("gqa-hd16-v203-untied-L2"), dtype=torch.float64)
+    assert packed_layers(model) is None
