@@ -17,6 +17,7 @@ import os
 
 import torch
 
+from .packed import packs
 from .records import cpu_model_and_flags, device_name, write_json
 from .tree import Tree
 
@@ -32,13 +33,13 @@ def cache_file():
 def machine_key(model, kernels, batch):
     """What c(T) depends on, as one string: the processor, threads, torch, dtype, the model's shape, kernels (and
     whether the weights are prepacked, `packed.py`), batch."""
-    from .packed import packed_layers
     c = model.config
     cpu = cpu_model_and_flags()[0] if model.device.type == "cpu" else ""
     shape = (f"L{c.num_hidden_layers} D{c.hidden_size} F{c.intermediate_size} Hq{c.num_attention_heads} "
              f"Hkv{c.num_key_value_heads} Dh{c.head_dim} V{c.vocab_size}")
+    kind = f"kernels {kernels}" + (" packed" if packs(model) else "")
     return " | ".join([device_name(model.device), cpu, f"threads {torch.get_num_threads()}", f"torch {torch.__version__}",
-                       str(model.dtype).replace("torch.", ""), shape, f"kernels {kernels}" + (" packed" if packed_layers(model) else ""), f"batch {batch}"])
+                       str(model.dtype).replace("torch.", ""), shape, kind, f"batch {batch}"])
 
 
 class StepCosts:

@@ -32,6 +32,8 @@ def _linear_fn(w, b):
     N = w.shape[0]
 
     def fn(x):
+        if x.requires_grad and torch.is_grad_enabled():     # the packed op has no backward: the plain matmul
+            return F.linear(x, w, b)
         out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, b, "none", [], "")
         return out.view(*x.shape[:-1], N)
     fn.shape = (N, w.shape[1])
@@ -82,6 +84,14 @@ def packing_applies(dtype):
         return False
 
 
+def packed_linear(w, b=None):
+    """x [..., K] -> x @ w.T + b [..., N] for w [N, K] on the CPU as a prepacked matmul, where `packing_applies` to
+    w's dtype (bf16: nn.Linear's bits); else None. For weights outside the engine (the drafter's LM head)."""
+    if w.device.type != "cpu" or not packing_applies(w.dtype):
+        return None
+    return _linear_fn(w.contiguous(), b)
+
+
 def _cat(*ts):
     return None if ts[0] is None else torch.cat(ts).contiguous()
 
@@ -108,10 +118,17 @@ class Packed:
         return tuple((p.data_ptr(), p._version) for p in model.parameters())
 
 
+def packs(model):
+    """Does `model` decode on packed weights (a bf16 or fp32 model on the CPU, `model.pack_weights` on, and the probe
+    passes on this machine)?"""
+    return model.pack_weights and model.device.type == "cpu" and packing_applies(model.dtype)
+
+
 def packed_layers(model):
-    """model's Packed layers, built now or reused; None where packing does not apply (not a bf16 or fp32 model on the
-    CPU, `model.pack_weights` False, or the probe fails on this machine)."""
-    if not (model.pack_weights and model.device.type == "cpu" and packing_applies(model.dtype)):
+    """model's Packed layers, built now or reused; None where `packs(model)` is False, or while autograd is recording:
+    packing is an inference path, and with grad enabled the nn.Linear layers keep gradients flowing to the
+    parameters."""
+    if torch.is_grad_enabled() or not packs(model):
         return None
     p = model.__dict__.get("_packed")
     if p is None or p.key != Packed.key_of(model):

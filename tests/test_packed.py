@@ -6,7 +6,7 @@ import torch
 import mtp_triton as mt
 from mtp_triton.generate import prefill
 from mtp_triton.ops import get_ops
-from mtp_triton.packed import packed_layers, packing_applies
+from mtp_triton.packed import packed_layers, packed_linear, packing_applies
 from mtp_triton.tree import PRESETS, Tree
 from hf_models import make_hf
 
@@ -36,7 +36,8 @@ def test_bf16_packing_changes_no_bit(tree):
     model = _model(torch.bfloat16)
     tree = Tree.from_choices(PRESETS[tree])
     plain, packed = _verify(model, tree, False), _verify(model, tree, True)
-    assert packed_layers(model) is not None
+    with torch.no_grad():
+        assert packed_layers(model) is not None
     for a, b in zip(plain, packed):
         assert torch.equal(a, b)
 
@@ -59,12 +60,12 @@ def test_decoding_is_unchanged_by_packing(dtype):
     assert mt.generate(model, PROMPTS, 24, heads=heads, tree="medusa-16").tokens == serial
 
 
+@torch.no_grad()
 def test_a_changed_weight_is_packed_again():
     model = _model(torch.bfloat16)
     first = packed_layers(model)
     assert packed_layers(model) is first                                    # reused while nothing changes
-    with torch.no_grad():
-        model.layers[0].q_proj.weight.mul_(2)                               # in place: the version counter moves
+    model.layers[0].q_proj.weight.mul_(2)                                   # in place: the version counter moves
     second = packed_layers(model)
     assert second is not first
     x = torch.randn(3, model.config.hidden_size).to(torch.bfloat16)
@@ -78,3 +79,33 @@ def test_other_dtypes_and_devices_are_not_packed():
     assert not packing_applies(torch.float16) and not packing_applies(torch.float64)
     model = mt.LlamaEngine.from_hf(make_hf("gqa-hd16-v203-untied-L2"), dtype=torch.float64)
     assert packed_layers(model) is None
+
+
+def test_packing_is_an_inference_path():
+    """With autograd recording, the engine's nn.Linear layers run (gradients reach the parameters), and a packed
+    function handed an input that needs gradients computes the plain matmul."""
+    model = _model(torch.bfloat16)
+    with torch.no_grad():
+        assert packed_layers(model) is not None
+    assert packed_layers(model) is None
+    h = torch.randn(2, model.config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    model.logits(h).float().sum().backward()
+    assert h.grad is not None and model.lm_head.weight.grad is not None
+    f = packed_linear(model.lm_head.weight.detach())
+    x = torch.randn(2, model.config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    f(x).float().sum().backward()
+    assert x.grad is not None
+
+
+def test_the_drafter_drafts_on_a_packed_lm_head_with_the_same_tokens():
+    from mtp_triton.drafters import HeadsDrafter, bf16_draft
+    model = _model(torch.bfloat16)
+    heads = mt.init_heads(model, num_heads=3, seed=1)
+    d = HeadsDrafter(heads, model, get_ops("torch"))
+    assert d.fused_draft is bf16_draft and callable(d.lm_rows) and not isinstance(d.lm_rows, torch.Tensor)
+    x = torch.randn(3, model.config.hidden_size).to(torch.bfloat16)
+    with torch.no_grad():
+        packed = d.propose(x, 4, probs=True)
+        d.lm_rows = d.lm_head
+        plain = d.propose(x, 4, probs=True)
+    assert all(torch.equal(a, b) for a, b in zip(packed, plain))
