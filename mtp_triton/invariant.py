@@ -92,6 +92,8 @@ class Plan:
     tail_cache: torch.Tensor    # [B * W] int64 flat cache slot of each sequence's tail positions (0 if not cached)
     tail_src: torch.Tensor      # [B, T, W] int64 row of [cached tail rows (B * W); tree rows (B * T)] per tail slot
     tail_ok: torch.Tensor       # [B, 1, T, 1, W] bool: visible to the node
+    shared_bias: torch.Tensor   # [1, B, T, 1, n_shared] float32: 0 where shared_ok, else -inf (added to the scores)
+    tail_bias: torch.Tensor     # [1, B, T, 1, W] float32: the same for tail_ok
 
 
 def plan(block_table, cache_lens, tree_mask, block_size, window=None):
@@ -132,7 +134,9 @@ def plan(block_table, cache_lens, tree_mask, block_size, window=None):
     cache_row = b * W + torch.arange(W, device=dev)[None, None, :]
     tail_src = torch.where(is_cache[:, None, :], cache_row, B * W + b * T + node)  # [B, T, W]
     tail_ok = visible(tp, is_cache[:, None, :] | is_anc)
-    return Plan(B, T, n_shared, W, shared_slots, shared_ok, tail_cache, tail_src, tail_ok)
+    bias = lambda ok: torch.zeros(ok.shape, device=dev).masked_fill_(~ok, float("-inf")).permute(1, 0, 2, 3, 4)
+    return Plan(B, T, n_shared, W, shared_slots, shared_ok, tail_cache, tail_src, tail_ok, bias(shared_ok),
+                bias(tail_ok))
 
 
 def attention(q, k_cache, v_cache, k_tree, v_tree, p, sm_scale=None, finite=False):
@@ -154,18 +158,17 @@ def attention(q, k_cache, v_cache, k_tree, v_tree, p, sm_scale=None, finite=Fals
         src = torch.cat([cache_h[:, p.tail_cache], tree.reshape(B * T, Hkv, Dh).permute(1, 0, 2)], 1)
         return src[:, p.tail_src]
     kt, vt = tail_rows(kc, k_tree), tail_rows(vc, v_tree)
-    ok_t = p.tail_ok.permute(1, 0, 2, 3, 4)                                        # [1, B, T, 1, W]
     if not finite:
-        vt = vt.masked_fill(~ok_t[..., 0, :, None], 0)                             # no NaN from unused slots
-    s_tail = (qh @ kt.transpose(-1, -2)).float() * scale                           # [Hkv, B, T, G, W]
-    s_tail = s_tail.masked_fill(~ok_t, float("-inf"))
+        vt = vt.masked_fill(~p.tail_ok.permute(1, 0, 2, 3, 4)[..., 0, :, None], 0)  # no NaN from unused slots
+    # scores in fp32, scaled, -inf where not visible: bias + scale * s (bias 0: the bits of scale * s, fused or not)
+    s_tail = torch.add(p.tail_bias, qh @ kt.transpose(-1, -2), alpha=scale)        # [Hkv, B, T, G, W]
     m = s_tail.amax(-1)                                                            # [Hkv, B, T, G]; self is visible
     if S:
         ks, vs = kc[:, p.shared_slots], vc[:, p.shared_slots]                      # [Hkv, B, S, Dh]
         if not finite:
             vs = vs.masked_fill(~p.shared_ok.any(2)[None, :, 0, 0, :, None], 0)
-        s_sh = (qh.view(Hkv, B, T * G, Dh) @ ks.transpose(-1, -2)).float() * scale  # [Hkv, B, T*G, S]
-        s_sh = s_sh.view(Hkv, B, T, G, S).masked_fill(~p.shared_ok.permute(1, 0, 2, 3, 4), float("-inf"))
+        s_sh = (qh.view(Hkv, B, T * G, Dh) @ ks.transpose(-1, -2)).view(Hkv, B, T, G, S)
+        s_sh = torch.add(p.shared_bias, s_sh, alpha=scale)                         # [Hkv, B, T, G, S]
         m = torch.maximum(m, s_sh.amax(-1))
 
     # chunk partials, in position order: o_c = p_c @ v_c (one bf16 matmul per chunk of C positions), l_c = sum p_c
