@@ -44,10 +44,10 @@ MATMUL_ROWS = 32            # `linear` hands the matmul 2 .. MATMUL_ROWS rows at
 def linear(layer, x):
     """layer(x) [..., N] for x [..., K] (layer: an nn.Linear or any row-wise function), computed in pieces of
     2 .. MATMUL_ROWS rows, so that each row rounds as it would in any other call (a 1-row piece is computed beside a
-    copy of itself, unless the layer is marked `one_row_exact`, as `packed.py`'s are; n = 33 splits as 31 + 2)."""
+    copy of itself; n = 33 splits as 31 + 2)."""
     rows = x.reshape(-1, x.shape[-1])
     n = rows.shape[0]
-    if 2 <= n <= MATMUL_ROWS or (n == 1 and getattr(layer, "one_row_exact", False)):
+    if 2 <= n <= MATMUL_ROWS:
         return layer(x)
     if n == 1:
         return layer(rows.repeat(2, 1))[:1].reshape(*x.shape[:-1], -1)

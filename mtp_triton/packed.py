@@ -40,19 +40,6 @@ def _linear_fn(w, b):
     return fn
 
 
-def _mark_one_row(fns, dtype):
-    """Set fn.one_row_exact: does a row alone get the bits it gets among 32 rows? It depends on the shape (on the
-    CPU this was written on it holds for a Llama's projections and fails for a 49152-row LM head), so it is probed
-    once per distinct weight shape, on the layer itself."""
-    g, verdict = torch.Generator().manual_seed(0), {}
-    for fn in fns:
-        if fn.shape not in verdict:
-            x = torch.randn(32, fn.shape[1], generator=g).to(dtype)
-            full = fn(x)
-            verdict[fn.shape] = torch.equal(fn(x[:1]), full[:1]) and torch.equal(fn(x[-1:]), full[-1:])
-        fn.one_row_exact = verdict[fn.shape]
-
-
 @functools.lru_cache(maxsize=None)
 def packing_applies(dtype):
     """Can this machine pack `dtype` weights with the properties the module docstring lists? A probe on the shapes of
@@ -110,7 +97,6 @@ class Packed:
                                            _cat(blk.gate_proj.bias, blk.up_proj.bias)))
             self.down.append(_linear_fn(blk.down_proj.weight, blk.down_proj.bias))
         self.lm_head = _linear_fn(model.lm_head.weight, None)
-        _mark_one_row(self.qkv + self.o + self.gate_up + self.down + [self.lm_head], model.dtype)
 
     @staticmethod
     def key_of(model):

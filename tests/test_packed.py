@@ -109,3 +109,22 @@ def test_the_drafter_drafts_on_a_packed_lm_head_with_the_same_tokens():
         d.lm_rows = d.lm_head
         plain = d.propose(x, 4, probs=True)
     assert all(torch.equal(a, b) for a, b in zip(packed, plain))
+
+
+@pytest.mark.parametrize("k,n", [(576, 960), (576, 576), (576, 3072), (1536, 576)])
+def test_packed_rows_round_alike_in_every_call_of_the_exact_mode(k, n):
+    """What bf16 MTP == serial stands on, for a packed layer of SmolLM2's shapes: through `invariant.linear`, a row
+    alone (a serial step) gets the bits it gets among 2 .. 40 others (tree steps). A 1-row packed matmul does not
+    always (1536 -> 576 on the CPU this was written on), which is why `linear` never hands it one row."""
+    if not packing_applies(torch.bfloat16):
+        pytest.skip("this CPU cannot pack bf16 weights")
+    from mtp_triton import invariant
+    g = torch.Generator().manual_seed(k + n)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
+    f = packed_linear(w)
+    x = torch.randn(41, k, generator=g).to(torch.bfloat16)
+    with torch.no_grad():
+        for m in (2, 9, 25, 33, 41):
+            many = invariant.linear(f, x[:m])
+            for i in range(m):
+                assert torch.equal(invariant.linear(f, x[i:i + 1])[0], many[i]), (m, i)
