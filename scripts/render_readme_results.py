@@ -241,7 +241,7 @@ def defaults_block(path):
     spec = importlib.util.spec_from_file_location("defaults_ab", os.path.join(ROOT, "scripts", "defaults_ab.py"))
     ab = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ab)
-    rows = _latest(_rows(path), key="command")
+    rows = _latest(_rows(path), key="commit")                   # each row has its own timestamp: the newest commit
     m = rows[0]
     n = len({r["prompt_id"] for r in rows})
     return [f"**Library defaults** (`{m['command']}`; {_stamp(m)}; smollm2-135m-instruct, {m['threads']} threads, "
