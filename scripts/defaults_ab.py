@@ -6,7 +6,9 @@ What a user gets with every default: `load_model("smollm2-135m-instruct")` (the 
 GGUF) or with dtype=bfloat16, `load_heads(<shipped heads>)`, then `generate(model, [ids], N, heads=heads)` (MTP,
 the heads' stored tree, each step sized by this machine's measured step costs), against `mtp=False` (our serial),
 against the same call with `RuntimeConfig(size_by_cost=False)` (the whole tree every step: the behaviour before the
-cost model), and against transformers' greedy `generate` on the same weights and dtype. Each prompt runs every
+cost model), and against transformers' greedy `generate` on the same weights and dtype, plain and with prompt-lookup
+decoding (`prompt_lookup_num_tokens=10`: the zero-training alternative; its steps are not reported, so no τ). Each
+prompt runs every
 configuration in turn (so a slow spell of the machine hits all alike). Held-out chat prompts, the first of each
 category. Writes <out>/defaults.csv (one row per prompt, dtype and configuration, with the roofline fields) and
 prints the summary table (decode tokens / decode seconds over the prompts).
@@ -21,12 +23,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mtp_triton as mt  # noqa: E402
 from mtp_triton.bench.common import append_rows, env_info  # noqa: E402
-from mtp_triton.bench.hf_baseline import hf_twin, time_hf  # noqa: E402
+from mtp_triton.bench.hf_baseline import PROMPT_LOOKUP, hf_twin, time_hf  # noqa: E402
 from mtp_triton.bench.roofline import roofline_fields  # noqa: E402
 from mtp_triton.demo import CHAT_PROMPTS, HEADS, SMOLLM2, encode, pick_prompts, read_prompts  # noqa: E402
 
 
-CONFIGS = ("transformers generate", "serial", "mtp (defaults)", "mtp, whole tree")
+CONFIGS = ("transformers generate", "transformers prompt-lookup", "serial", "mtp (defaults)", "mtp, whole tree")
 
 
 def summary_lines(rows):
@@ -43,15 +45,17 @@ def summary_lines(rows):
         mine = [r for r in rows if r["dtype"] == name]
         by = {c: [r for r in mine if r["config"] == c] for c in CONFIGS}
         pids = list(dict.fromkeys(r["prompt_id"] for r in by["serial"]))
-        for c in CONFIGS:
+        for c in (c for c in CONFIGS if by[c]):                            # older runs lack prompt-lookup
             sel = by[c]
             worst = min(rate([r for r in sel if r["prompt_id"] == p]) /
                         rate([r for r in by["serial"] if r["prompt_id"] == p]) for p in pids)
-            tau = sum(num(r, "new_tokens") - 1 for r in sel) / sum(num(r, "steps") for r in sel)
+            steps = sum(num(r, "steps") for r in sel)                     # nan: not counted (prompt-lookup)
+            tau = f"{sum(num(r, 'new_tokens') - 1 for r in sel) / steps:.2f}" if steps == steps else "–"
             nodes = sum(num(r, "verified_nodes_per_step") for r in sel) / len(sel)
+            nodes = f"{nodes:.1f}" if nodes == nodes else "–"
             same = sum(str(r["identical_to_serial"]) == "True" for r in sel)
             out.append(f"| {name} | {c} | {rate(sel):.1f} | {rate(sel) / rate(by['serial']):.2f}× | "
-                       f"{rate(sel) / rate(by['transformers generate']):.2f}× | {tau:.2f} | {nodes:.1f} | "
+                       f"{rate(sel) / rate(by['transformers generate']):.2f}× | {tau} | {nodes} | "
                        f"{same}/{len(sel)} | {worst:.2f}× |")
     return out
 
@@ -91,15 +95,17 @@ def main(argv=None):
                                  draft_s=s.time_draft_s, verify_s=s.time_verify_s,
                                  cost_model=s.cost_model, identical_to_serial=res.tokens[0] == got["serial"],
                                  command=cmd, **roofline_fields(model, s.decode_tokens_per_s, s.tokens_per_step)))
-            h = time_hf(hf, [p], N, eos, warmup="none")
-            one = h["per_prompt"][0]
-            rows.append(dict(env_info(model.device), dtype=name, threads=torch.get_num_threads(),
-                             config="transformers generate", category=r.get("category"), prompt_id=r.get("id"),
-                             new_tokens=one["new_tokens"], steps=one["new_tokens"] - 1, tau=1.0,
-                             verified_nodes_per_step=1, decode_s=one["decode_s"],
-                             decode_tokens_per_s=h["decode_tokens_per_s"], cost_model=None,
-                             identical_to_serial=h["tokens"][0] == got["serial"], command=cmd,
-                             **roofline_fields(model, h["decode_tokens_per_s"])))
+            for cfg, lookup in (("transformers generate", None), ("transformers prompt-lookup", PROMPT_LOOKUP)):
+                h = time_hf(hf, [p], N, eos, warmup="none", prompt_lookup=lookup)
+                one = h["per_prompt"][0]
+                steps = one["new_tokens"] - 1 if lookup is None else float("nan")   # prompt-lookup: not reported
+                rows.append(dict(env_info(model.device), dtype=name, threads=torch.get_num_threads(),
+                                 config=cfg, category=r.get("category"), prompt_id=r.get("id"),
+                                 new_tokens=one["new_tokens"], steps=steps, tau=1.0 if lookup is None else steps,
+                                 verified_nodes_per_step=1 if lookup is None else float("nan"),
+                                 decode_s=one["decode_s"], decode_tokens_per_s=h["decode_tokens_per_s"],
+                                 cost_model=None, identical_to_serial=h["tokens"][0] == got["serial"], command=cmd,
+                                 **roofline_fields(model, h["decode_tokens_per_s"])))
         del model, hf
     os.makedirs(a.out, exist_ok=True)
     append_rows(os.path.join(a.out, "defaults.csv"), rows)
