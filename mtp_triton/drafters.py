@@ -30,14 +30,18 @@ def bf16_draft(hidden, res_weight, res_bias, lm_head, top_k, *, token_map=None, 
 
     z_h = x + silu(W_h x + b_h) and logits_h = L_h z_h as bf16 matmuls (fp32 accumulation inside, bf16 results),
     then the top-k rows by descending logit, ties to the lower row — exactly what `training.distill.head_ranks`
-    computes, so the training's simulated tau is what this path decodes with. lm_head may also be a row-wise function
-    z [..., D] -> [..., V] (`packed.packed_linear`: the same weights prepacked, the same bits). The PyTorch twin
+    computes, so the training's simulated tau is what this path decodes with. res_weight may also be H row-wise
+    functions x -> W_h x and lm_head one z -> L z (`packed.packed_linear`: the same weights prepacked, the same
+    bits). The PyTorch twin
     (`reference.fused_draft`, the Triton kernel's specification) computes in fp32 instead; on this CPU that costs
     1-3 ms per call for an 8192-row draft vocabulary against ~0.3 ms here, and a drafter that draft tree-node by
     tree-node calls it once per depth. Drafts only steer speed: verification decides every token.
     -> token_ids [B, H, top_k], and with logprobs=True log_softmax(logits_h) at those rows [B, H, top_k] float32
     (else None)."""
-    pre = torch.einsum("bd,hed->bhe", hidden, res_weight) + res_bias                     # [B, H, D]
+    if isinstance(res_weight, torch.Tensor):
+        pre = torch.einsum("bd,hed->bhe", hidden, res_weight) + res_bias                 # [B, H, D]
+    else:                                                   # H row-wise functions: the same weights, prepacked
+        pre = torch.stack([f(hidden) for f in res_weight], 1) + res_bias
     z = hidden[:, None, :] + F.silu(pre)
     if callable(lm_head):
         logits = lm_head(z)                                                              # [B, H, V]
@@ -47,6 +51,11 @@ def bf16_draft(hidden, res_weight, res_bias, lm_head, top_k, *, token_map=None, 
     rows = topk_lower_id_first(logits, top_k)
     logp = torch.log_softmax(logits, -1).gather(-1, rows) if logprobs else None
     return (rows if token_map is None else token_map[rows]), logp
+
+
+def _rows_fn(w):
+    """x [..., K] -> x @ w.T for w [N, K]: prepacked where packing applies (`packed.packed_linear`), else the matmul."""
+    return packed_linear(w) or (lambda x: x @ w.T)
 
 
 class HeadsDrafter:
@@ -81,14 +90,18 @@ class HeadsDrafter:
             self.fused_draft = bf16_draft
             self.res_weight, self.res_bias = (t.to(torch.bfloat16) for t in (self.res_weight, self.res_bias))
             self.lm_head = self.lm_head.to(torch.bfloat16).contiguous()
-        # what drafting multiplies by: a shared LM head or draft vocabulary prepacked where packing applies (bf16 on a
-        # CPU: the same bits, ~3x faster for one row), else the tensor
-        self.lm_rows = (self.fused_draft is bf16_draft and self.lm_head.dim() == 2 and packed_linear(self.lm_head)
-                        or self.lm_head)
+        # what drafting multiplies by on the bf16 path: the ResBlocks' weights and a shared LM head or draft vocabulary
+        # prepacked where packing applies (packed.py; bf16: the same bits, 3-10x faster for a few rows)
+        bf16 = self.fused_draft is bf16_draft
+        self.res_rows = [_rows_fn(w) for w in self.res_weight] if bf16 else self.res_weight
+        self.lm_rows = packed_linear(self.lm_head) if bf16 and self.lm_head.dim() == 2 else None
+        self.lm_rows = self.lm_rows or self.lm_head
         # heads with root input read x' = x + P e_root (heads.py); the kernel is handed x'
         self.root_proj = None if heads.root_proj is None else heads.root_proj.detach().to(dev, dt).contiguous()
         # heads with token inputs also read the drafted tokens of their path: s_h = x' + sum_q Q_q e(y_{h-q})
         self.token_proj = None if heads.token_proj is None else heads.token_proj.detach().to(dev, dt).contiguous()
+        self.root_rows = None if self.root_proj is None else _rows_fn(self.root_proj)          # e -> P e
+        self.proj_rows = [] if self.token_proj is None else [_rows_fn(q) for q in self.token_proj]  # e -> Q_q e
         self.sequential = self.token_proj is not None
         self.embed = model.embed_tokens.weight.detach()
         self._plans = {}
@@ -98,7 +111,7 @@ class HeadsDrafter:
             return hidden
         if roots is None:
             raise ValueError("HeadsDrafter: these heads read the root token; pass roots [A]")
-        return hidden + self.embed[roots] @ self.root_proj.T                        # x' = x + P e_root   [A, D]
+        return hidden + self.root_rows(self.embed[roots])                           # x' = x + P e_root   [A, D]
 
     def propose(self, hidden, top_k, context=None, num_heads=None, roots=None, probs=False):
         """Candidates of the first `num_heads` heads (all by default): ids [A, num_heads, top_k]; with probs=True
@@ -109,12 +122,12 @@ class HeadsDrafter:
         H = num_heads or self.num_heads
         lm = self.lm_head[:H] if self.lm_head.dim() == 3 else self.lm_rows          # per-head LM heads: theirs
         hidden = self._root_input(hidden, roots)
-        ids, logp = self._draft(hidden.contiguous(), self.res_weight[:H], self.res_bias[:H], lm, top_k, probs)
+        ids, logp = self._draft(hidden.contiguous(), self.res_rows[:H], self.res_bias[:H], lm, top_k, probs)
         return (ids, logp.exp()) if probs else ids
 
     def _draft(self, x, w, b, lm, k, probs):
         if self.fused_draft is bf16_draft:
-            return bf16_draft(x.to(w.dtype), w, b, lm, k, token_map=self.token_map, logprobs=probs)
+            return bf16_draft(x.to(b.dtype), w, b, lm, k, token_map=self.token_map, logprobs=probs)
         return self.fused_draft(x, w, b, lm, k, token_map=self.token_map)
 
     def _plan(self, tree, device):
@@ -160,9 +173,9 @@ class HeadsDrafter:
             h = d - 1
             s = x[:, None, :].expand(A, par.numel(), x.shape[-1])                   # [A, p, D]
             for q in range(anc.shape[0]):                                           # y_{h - q}: the q-th ancestor
-                s = s + self.embed[tokens[:, anc[q]]] @ self.token_proj[q].T
+                s = s + self.proj_rows[q](self.embed[tokens[:, anc[q]]])
             lm = self.lm_head[h:h + 1] if self.lm_head.dim() == 3 else self.lm_rows
-            ids, logp = self._draft(s.reshape(-1, s.shape[-1]).contiguous(), self.res_weight[h:h + 1],
+            ids, logp = self._draft(s.reshape(-1, s.shape[-1]).contiguous(), self.res_rows[h:h + 1],
                                     self.res_bias[h:h + 1], lm, k, path_prob is not None)   # [A * p, 1, k]
             tokens[:, nodes] = ids.view(A, par.numel(), k)[:, slot, rank]
             if path_prob is not None:

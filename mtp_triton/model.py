@@ -201,7 +201,7 @@ class LlamaEngine(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
-        self.pack_weights = True     # bf16 on CPU: matmuls on prepacked weights where exact (mtp_triton/packed.py)
+        self.pack_weights = True     # bf16/fp32 on a CPU: matmuls on prepacked weights (mtp_triton/packed.py)
 
     @property
     def device(self):
@@ -249,7 +249,7 @@ class LlamaEngine(nn.Module):
         x = self.embed_tokens(tokens)                                          # [B, T, D]
         exact = self.exact_mode(ops) if exact is None else exact
         lin = invariant.linear if exact else _linear
-        packed = packed_layers(self)                # None: the nn.Linear layers (same bits, slower on a CPU)
+        packed = packed_layers(self)                # None: the nn.Linear layers (bf16: the same bits, slower)
         nq, nkv = Hq * Dh, Hkv * Dh
         plans = {}                                  # exact: one attention plan per distinct window, for all layers
         for l, blk in enumerate(self.layers):
@@ -289,7 +289,8 @@ class LlamaEngine(nn.Module):
         row alone, never more than invariant.MATMUL_ROWS at once), so a serial step rounds like a tree step."""
         half_cpu = self.dtype in (torch.bfloat16, torch.float16) and self.device.type == "cpu"
         packed = packed_layers(self)
-        return invariant.linear(packed.lm_head if packed else self.lm_head, hidden) if half_cpu else self.lm_head(hidden)
+        head = packed.lm_head if packed else self.lm_head
+        return invariant.linear(head, hidden) if half_cpu else head(hidden)
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod

@@ -36,7 +36,6 @@ def _linear_fn(w, b):
             return F.linear(x, w, b)
         out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, b, "none", [], "")
         return out.view(*x.shape[:-1], N)
-    fn.shape = (N, w.shape[1])
     return fn
 
 
@@ -73,7 +72,7 @@ def packing_applies(dtype):
 
 def packed_linear(w, b=None):
     """x [..., K] -> x @ w.T + b [..., N] for w [N, K] on the CPU as a prepacked matmul, where `packing_applies` to
-    w's dtype (bf16: nn.Linear's bits); else None. For weights outside the engine (the drafter's LM head)."""
+    w's dtype (bf16: nn.Linear's bits); else None. For weights outside the engine (the drafter's)."""
     if w.device.type != "cpu" or not packing_applies(w.dtype):
         return None
     return _linear_fn(w.contiguous(), b)

@@ -97,17 +97,33 @@ def test_packing_is_an_inference_path():
     assert x.grad is not None
 
 
-def test_the_drafter_drafts_on_a_packed_lm_head_with_the_same_tokens():
+@pytest.mark.parametrize("token_inputs", [0, 2])
+def test_the_drafter_drafts_on_packed_weights_with_the_same_tokens(token_inputs):
+    """HeadsDrafter's bf16 path multiplies by prepacked ResBlocks, root/path projections and LM head: the same draft
+    tokens and probabilities as the plain matmuls, for parallel heads (propose) and heads with path inputs
+    (draft_tree)."""
     from mtp_triton.drafters import HeadsDrafter, bf16_draft
     model = _model(torch.bfloat16)
-    heads = mt.init_heads(model, num_heads=3, seed=1)
-    d = HeadsDrafter(heads, model, get_ops("torch"))
-    assert d.fused_draft is bf16_draft and callable(d.lm_rows) and not isinstance(d.lm_rows, torch.Tensor)
-    x = torch.randn(3, model.config.hidden_size).to(torch.bfloat16)
+    D = model.config.hidden_size
+    g = torch.Generator().manual_seed(3)
+    heads = mt.MTPHeads(3, D, root_input=True, token_inputs=token_inputs)
     with torch.no_grad():
-        packed = d.propose(x, 4, probs=True)
+        for p in heads.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) / D ** 0.5)
+    d = HeadsDrafter(heads, model, get_ops("torch"))
+    assert d.fused_draft is bf16_draft and not isinstance(d.lm_rows, torch.Tensor)
+    x = torch.randn(3, D).to(torch.bfloat16)
+    roots = torch.tensor([5, 9, 100])
+    tree = mt.get_tree("medusa-16", 3)
+    run = (lambda: d.draft_tree(x, roots, tree, min_prob=0.0)) if token_inputs else (
+        lambda: d.propose(x, 4, roots=roots, probs=True))
+    with torch.no_grad():
+        packed = run()
         d.lm_rows = d.lm_head
-        plain = d.propose(x, 4, probs=True)
+        d.res_rows = d.res_weight
+        d.root_rows = lambda e: e @ d.root_proj.T
+        d.proj_rows = [lambda e, q=q: e @ q.T for q in (d.token_proj if token_inputs else [])]
+        plain = run()
     assert all(torch.equal(a, b) for a, b in zip(packed, plain))
 
 
