@@ -1,7 +1,7 @@
 """mtp_triton — Multi-Token Prediction speculative decoding with handwritten Triton kernels.
 
 Public names: the Triton kernels at the top level, their PyTorch twins in `mtp_triton.reference`, the engine
-(`load_model`), heads, trees and `generate`. Importing the package imports no Triton kernel and changes no
+(`load_model`), drafters (MTP heads, the MTP module: `load_drafter`), trees and `generate`. Importing the package imports no Triton kernel and changes no
 environment variable; kernel modules load on first use. To run the kernels on a CPU-only machine (in Triton's
 interpreter), call `mtp_triton.use_interpreter()` first.
 """
@@ -12,6 +12,7 @@ from .kernels import use_interpreter
 from .heads import MTPHeads, init_heads, load_heads
 from .loading import load_model, load_tokenizer
 from .model import LlamaEngine, ModelConfig
+from .mtp_module import MTPModule, load_drafter, load_module
 from .tree import PRESETS, Tree, get_tree
 from .version import package_hash
 
@@ -28,5 +29,5 @@ def __getattr__(name):
 
 __all__ = ["reference", "generate", "GenerateResult", "GenerateStats", "RuntimeConfig", "MTPHeads", "init_heads",
            "load_heads", "LlamaEngine", "ModelConfig", "load_model", "load_tokenizer", "Tree", "PRESETS", "get_tree",
-           "use_interpreter", "package_hash", *_KERNELS]
+           "use_interpreter", "package_hash", "MTPModule", "load_module", "load_drafter", *_KERNELS]
 __version__ = "0.1.0"

@@ -25,7 +25,7 @@ from .bench.hf_baseline import hf_twin, time_hf
 from .bench.roofline import roofline_fields
 from .cli import error, float_in, int_at_least
 from .generate import RuntimeConfig, generate
-from .heads import load_heads
+from .mtp_module import MTPModule, load_drafter
 from .loading import load_model, load_tokenizer
 from .sampling import check_seed, check_temperature
 from .stats import format_tau
@@ -33,31 +33,46 @@ from .tree import PRESETS, Tree, get_tree
 
 SMOLLM2 = "smollm2-135m-instruct"
 HEADS = {SMOLLM2: os.path.join(ROOT, "data", "smollm2-135m-instruct-heads")}
+MODULES = {SMOLLM2: os.path.join(ROOT, "data", "smollm2-135m-instruct-mtp")}
+DRAFTERS = ("medusa", "mtp")                               # --drafter: MTP heads, or the MTP module
+DEFAULT_DRAFTER = "medusa"
 CHAT_PROMPTS = os.path.join(ROOT, "data", "chat", "heldout_chat.jsonl")
 TREE_NAMES = ("stored", "auto", "tuned")                   # besides the presets (mtp_triton.tree.PRESETS)
 PROBABILITY = float_in(0.0, 1.0, low_open=True)            # argparse type of --prune-below
 
 
-def heads_dir_for(model):
-    """Where a model's heads live: the registry for short names, else <model folder>/heads."""
-    return HEADS.get(model, os.path.join(model, "heads"))
+def heads_dir_for(model, drafter=DEFAULT_DRAFTER):
+    """Where a model's drafter lives: the registry for short names (heads, or the MTP module for drafter 'mtp'),
+    else <model folder>/heads or <model folder>/mtp."""
+    if drafter not in DRAFTERS:
+        raise ValueError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
+    table, sub = (MODULES, "mtp") if drafter == "mtp" else (HEADS, "heads")
+    return table.get(model, os.path.join(model, sub))
 
 
-def load_bundle(model=SMOLLM2, heads=None, device=None, dtype=None):
-    """(model, heads, tokenizer). dtype None: bf16 on CPU for the GGUF model (the engine's exact mode keeps MTP
+def load_bundle(model=SMOLLM2, heads=None, device=None, dtype=None, drafter=DEFAULT_DRAFTER):
+    """(model, drafter: MTP heads or an MTP module, tokenizer). heads: the drafter's folder (default: the model's
+    shipped one of kind `drafter`). dtype None: bf16 on CPU for the GGUF model (the engine's exact mode keeps MTP
     identical to serial there), the checkpoint's dtype otherwise."""
     if dtype is None and model == SMOLLM2 and (device or "cpu") == "cpu" and not torch.cuda.is_available():
         dtype = torch.bfloat16
+    heads_path = heads or heads_dir_for(model, drafter)
     m = load_model(model, device=device, dtype=dtype)
-    heads_path = heads or heads_dir_for(model)
-    h = load_heads(heads_path, device=m.device, dtype=torch.float32)
+    h = load_drafter(heads_path, device=m.device, dtype=torch.float32)
     check_heads_fit(h, m, heads_path)
     return m, h, load_tokenizer(model)
 
 
 def check_heads_fit(heads, model, where):
-    """ValueError (naming `where`) unless the heads read this model's hidden state and draft ids in its vocabulary."""
+    """ValueError (naming `where`) unless the drafter reads this model's hidden state and drafts ids in its
+    vocabulary."""
     D, V = model.config.hidden_size, model.config.vocab_size
+    if isinstance(heads, MTPModule):
+        if heads.hidden_size != D or heads.config.vocab_size != V:
+            raise ValueError(f"the MTP module in {where!r} is for hidden size {heads.hidden_size} and vocabulary "
+                             f"{heads.config.vocab_size}, the model has {D} and {V}: it was trained for another "
+                             f"model. Pass --heads <the folder of this model's drafter>.")
+        return
     if heads.hidden_size != D:
         raise ValueError(f"the heads in {where!r} read a hidden state of size {heads.hidden_size}, but the model's is "
                          f"{D}: they were trained for another model. Pass --heads <the folder of this model's heads>.")
@@ -119,6 +134,11 @@ def default_tree(heads_dir, num_heads, budget=None):
 def pick_tree(arg, heads, heads_dir, model=None, kernels="auto", log=sys.stderr):
     """'stored': the tree saved with the heads (else tuned to their accuracy.json); 'auto': tuned now to the
     accuracies and this machine's measured step costs (mtp_triton.tuning); 'tuned': accuracies only; else a preset."""
+    if isinstance(heads, MTPModule):                # it draws a dynamic tree every step: nothing to pick
+        if arg != "stored":
+            raise ValueError(f"--tree {arg!r}: the MTP module draws its own (dynamic) tree every step; --tree picks "
+                             "a tree for MTP heads (--drafter medusa)")
+        return None
     if arg == "stored" and heads.tree is not None:
         return Tree.from_choices(heads.tree)
     if arg == "auto" and model is not None and os.path.exists(os.path.join(heads_dir, "accuracy.json")):
@@ -171,7 +191,23 @@ def run_pair(model, heads, tree, ids, max_new, eos, kernels, runtime=None):
 def generate_tree(arg, heads, tree):
     """What the demo hands generate(): None for 'stored' when the heads carry their tree (generate's default, sized
     per step by cost on a CPU), else the picked tree itself (verified whole)."""
-    return None if arg == "stored" and heads.tree is not None else tree
+    return None if tree is None or (arg == "stored" and heads.tree is not None) else tree
+
+
+def describe_drafter(heads, tree):
+    """One line: what drafts and over which tree."""
+    vocab = f", draft vocabulary {len(heads.token_map)}" if heads.token_map is not None else ""
+    if isinstance(heads, MTPModule):
+        d = heads.draft
+        return (f"the MTP module (1 block, {sum(p.numel() for p in heads.parameters()) / 1e6:.1f} M params{vocab}); "
+                f"a dynamic tree each step: depth {d['depth']}, top-{d['top_k']}, {d['beam']} nodes expanded per "
+                f"depth, at most {d['nodes']} nodes")
+    return f"{heads.num_heads} heads{vocab}; tree of {tree.size} nodes (depth {tree.max_depth})"
+
+
+def tree_size(heads, tree):
+    """The most nodes a step verifies: the tree's size, or the MTP module's node budget."""
+    return heads.draft["nodes"] if tree is None else tree.size
 
 
 def summarise(runs):
@@ -223,7 +259,9 @@ def demo(argv=None):
     ap = argparse.ArgumentParser(prog="python -m mtp_triton demo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=SMOLLM2, help="a short name, a checkpoint folder or a .gguf file")
-    ap.add_argument("--heads", default=None, help="heads folder (default: the model's shipped heads)")
+    ap.add_argument("--drafter", default=DEFAULT_DRAFTER, choices=DRAFTERS, help="medusa: MTP heads; mtp: the MTP "
+                    f"module (one block, dynamic tree); default {DEFAULT_DRAFTER}")
+    ap.add_argument("--heads", default=None, help="the drafter's folder (default: the model's shipped heads or module)")
     ap.add_argument("--prompts", default=None, help="JSONL with 'text' (and 'category'); default: held-out chat "
                     "prompts for chat models, held-out code for the tiny model")
     ap.add_argument("--per-category", type=int_at_least(1), default=2)
@@ -243,8 +281,8 @@ def demo(argv=None):
         given = read_prompts(a.prompts) if a.prompts else None
         ensure_writable_dir(a.out)
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[a.dtype]
-        model, heads, tok = load_bundle(a.model, a.heads, a.device, dtype)
-        heads_dir = a.heads or heads_dir_for(a.model)
+        model, heads, tok = load_bundle(a.model, a.heads, a.device, dtype, a.drafter)
+        heads_dir = a.heads or heads_dir_for(a.model, a.drafter)
         chat = bool(getattr(tok, "chat_template", None))
         rows = given or read_prompts(CHAT_PROMPTS if chat else PROMPTS)
         rows = pick_prompts(rows, a.per_category) if chat else rows[:3]
@@ -253,9 +291,7 @@ def demo(argv=None):
         return error(e)
     eos = tok.eos_token_id
     print(f"model {a.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f} M params, {model.dtype}, "
-          f"{torch.get_num_threads()} threads, kernels {a.kernels}; {heads.num_heads} heads"
-          f"{f', draft vocabulary {len(heads.token_map)}' if heads.token_map is not None else ''}; tree of "
-          f"{tree.size} nodes (depth {tree.max_depth})"
+          f"{torch.get_num_threads()} threads, kernels {a.kernels}; {describe_drafter(heads, tree)}"
           + (f", pruned below path probability {a.prune_below:g}" if runtime else ""))
     ids0 = encode(tok, rows[0]["text"])
     hf = hf_twin(model)                                   # transformers' LlamaForCausalLM on the same weights
@@ -290,7 +326,7 @@ def demo(argv=None):
     s = table["all"]
     print("acceptance per depth: " + ", ".join(f"d{d + 1} {r:.0%}" for d, r in enumerate(s["accept_rate_per_depth"])))
     cost = runs[0][1].stats.cost_model
-    print(f"verified nodes per step: {s['verified_nodes_per_step']:.1f} of the tree's {tree.size}"
+    print(f"verified nodes per step: {s['verified_nodes_per_step']:.1f} of at most {tree_size(heads, tree)}"
           + (f", sized by this machine's measured step costs: {cost}" if cost else ""))
     predicted = _predicted(heads, tree)
     if predicted is not None:
@@ -298,7 +334,8 @@ def demo(argv=None):
     env = env_info(model.device)
     cmd = "python -m mtp_triton demo " + " ".join(argv if argv is not None else sys.argv[2:])
     base = dict(env, run="demo", model=a.model, dtype=str(model.dtype).replace("torch.", ""),
-                threads=torch.get_num_threads(), tree_size=tree.size, prune_below=a.prune_below,
+                threads=torch.get_num_threads(), tree_size=tree_size(heads, tree), prune_below=a.prune_below,
+                drafter="mtp" if isinstance(heads, MTPModule) else "medusa",
                 max_new_tokens=a.max_new_tokens, predicted_speedup=predicted, command=cmd)
     out_rows = []
     for r, c, (ser, mtp, peer) in zip(rows, cats, runs):
@@ -329,7 +366,7 @@ def demo(argv=None):
 def _predicted(heads, tree):
     """The predicted speedup stored with the heads for this tree size (from the tuning table), if any."""
     for r in heads.meta.get("tuning", []):
-        if r.get("nodes") == tree.size:
+        if tree is not None and r.get("nodes") == tree.size:
             return r.get("predicted_speedup")
     return None
 
@@ -362,7 +399,8 @@ def text_generate(argv=None):
     ap = argparse.ArgumentParser(prog="python -m mtp_triton generate")
     ap.add_argument("--prompt", required=True)
     ap.add_argument("--model", default=SMOLLM2)
-    ap.add_argument("--heads", default=None)
+    ap.add_argument("--drafter", default=DEFAULT_DRAFTER, choices=DRAFTERS, help="medusa (heads) or mtp (the module)")
+    ap.add_argument("--heads", default=None, help="the drafter's folder (default: the model's shipped one)")
     ap.add_argument("--raw", action="store_true", help="don't wrap the prompt in the chat template")
     ap.add_argument("--max-new-tokens", type=int_at_least(1), default=128)
     ap.add_argument("--tree", default="stored", help="'stored', 'auto', 'tuned' or a preset name (see demo --help)")
@@ -386,8 +424,8 @@ def text_generate(argv=None):
         check_temperature(a.temperature, a.top_p)
         check_seed(a.seed)
         check_tree_name(a.tree)
-        model, heads, tok = load_bundle(a.model, a.heads, a.device, dtype)
-        tree = pick_tree(a.tree, heads, a.heads or heads_dir_for(a.model), model, a.kernels)
+        model, heads, tok = load_bundle(a.model, a.heads, a.device, dtype, a.drafter)
+        tree = pick_tree(a.tree, heads, a.heads or heads_dir_for(a.model, a.drafter), model, a.kernels)
         ids = tok(a.prompt)["input_ids"] if a.raw else encode(tok, a.prompt)
         if not ids:
             raise ValueError("the prompt is empty")

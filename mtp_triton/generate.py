@@ -19,6 +19,8 @@ import torch
 
 from . import invariant
 from .drafters import HeadsDrafter
+from .drafters_mtp import ModuleDrafter
+from .mtp_module import MTPModule
 from .ops import get_ops
 from .policy import RuntimeConfig, RuntimePolicy
 from .sampling import Sampler
@@ -54,11 +56,11 @@ def causal_chains(seqs, device):
 
 
 @torch.no_grad()
-def prefill(model, prompts, cache, ops):
+def prefill(model, prompts, cache, ops, all_hidden=False):
     """Run every prompt through the model as a causal chain with an empty cache and store all its K/V.
 
     prompts: list of B token lists (lengths may differ). Returns the final-norm hidden state at each prompt's last
-    token [B, D].
+    token [B, D]; with all_hidden=True also those at every position [B, S, D] (what the MTP module reads).
     """
     dev = model.device
     tokens, positions, mask, lens = causal_chains(prompts, dev)
@@ -69,7 +71,7 @@ def prefill(model, prompts, cache, ops):
     nodes = torch.where(idx[None, :] < lens[:, None], idx[None, :], -1)
     ops.kv_append(cache.k, cache.v, cache.block_table, cache.cache_lens, k_tree, v_tree, nodes, lens - 1)
     cache.cache_lens += lens.to(torch.int32)
-    return hidden[rows, lens - 1]
+    return (hidden[rows, lens - 1], hidden) if all_hidden else hidden[rows, lens - 1]
 
 
 @torch.no_grad()
@@ -85,6 +87,8 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
     so a sampled prompt's tokens depend on its batch-mates: run a prompt alone for samples of its own). eos_token_id: None, an int, a list of ints or an int tensor.
     kernels: "triton" | "torch" | "auto" (Triton on CUDA, the PyTorch twins elsewhere).
     runtime: a `RuntimeConfig` or a dict of its fields (cold start, dynamic depth, fallback, confidence pruning). block_size: the paged cache's block size.
+    heads: MTP heads (`load_heads`) or an MTP module (`load_module`, mtp_module.py: a one-layer drafter with its own
+    cache that draws a dynamic tree each step, `drafters_mtp.ModuleDrafter`; tree= must then be None).
     drafter: instead of heads, any object with `num_heads` and `propose(hidden, top_k, context, num_heads, roots)`
     (e.g. the synthetic `drafters.OracleDrafter`). cuda_graph: replay the verify forward as a CUDA graph (one per
     tree size); finished sequences then keep running, frozen and never emitted, so shapes stay fixed.
@@ -107,16 +111,27 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
         raise ValueError("cuda_graph=True needs the model on a CUDA device")
     ops = get_ops(kernels, dev)
     if mtp and drafter is None and heads is not None:
-        drafter = HeadsDrafter(heads, model, ops)
+        drafter = ModuleDrafter(heads, model, ops) if isinstance(heads, MTPModule) else HeadsDrafter(heads, model, ops)
     if not mtp:
         drafter = None
-    if drafter is None:
-        full_tree = Tree.root_only().to(dev)
-    else:                                       # tree=None: the tree stored with the heads, else the default
-        stored = getattr(heads, "tree", None) if isinstance(drafter, HeadsDrafter) else None
-        full_tree = get_tree(tree if tree is not None else stored, drafter.num_heads).to(dev)
-    trees = _SubTrees(full_tree)
-    policy = RuntimePolicy(runtime, len(prompts), full_tree.max_depth)
+    dynamic = getattr(drafter, "dynamic", False)
+    if dynamic:                                 # the drafter draws each step's tree: at most `nodes` nodes
+        if tree is not None:
+            raise ValueError(f"{type(drafter).__name__} draws its own tree every step (a dynamic tree); pass its "
+                             "size to the drafter (depth, top_k, beam, nodes), not tree=")
+        if cuda_graph:
+            raise ValueError(f"cuda_graph=True needs a fixed tree per step; {type(drafter).__name__} draws a "
+                             "dynamic one")
+        full_tree, budget, max_depth = None, drafter.nodes, drafter.num_heads
+    else:
+        if drafter is None:
+            full_tree = Tree.root_only().to(dev)
+        else:                                   # tree=None: the tree stored with the heads, else the default
+            stored = getattr(heads, "tree", None) if isinstance(drafter, HeadsDrafter) else None
+            full_tree = get_tree(tree if tree is not None else stored, drafter.num_heads).to(dev)
+        budget, max_depth = full_tree.size, full_tree.max_depth
+        trees = _SubTrees(full_tree)
+    policy = RuntimePolicy(runtime, len(prompts), max_depth)
     rec = StatsRecorder(dev, len(prompts))
     graphs = GraphedVerify() if cuda_graph else None
     pruner = None
@@ -128,9 +143,9 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
             raise ValueError(f"RuntimeConfig.prune_below needs a drafter that reports probabilities; "
                              f"{type(drafter).__name__} does not")
         pruner = Pruner(runtime.prune_below)
-    elif drafter is not None and full_tree.size > 1 and _size_by_cost(runtime, drafter, dev, ops, cuda_graph,
-                                                                        pinned=tree is not None):
-        pruner = CostPruner(step_costs(model, full_tree.size, kernels, batch=len(prompts)))
+    elif drafter is not None and budget > 1 and _size_by_cost(runtime, drafter, dev, ops, cuda_graph,
+                                                              pinned=tree is not None):
+        pruner = CostPruner(step_costs(model, budget, kernels, batch=len(prompts)))
     if drafter is not None and model.exact_mode(ops):
         _warn_unless_row_invariant(model.dtype, dev)
     # The kernels' value checks read tensors (a host sync each on a GPU). The loop builds every input itself
@@ -138,9 +153,13 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
     check = dev.type != "cuda"
 
     B = len(prompts)
-    cache = model.new_cache([len(p) + max_new_tokens + full_tree.size for p in prompts], block_size)
-    hidden = prefill(model, prompts, cache, ops)                                    # [B, D]
+    capacities = [len(p) + max_new_tokens + budget for p in prompts]
+    cache = model.new_cache(capacities, block_size)
+    hidden, every = prefill(model, prompts, cache, ops, all_hidden=True)            # [B, D], [B, S, D]
     roots = sampler.choose(model.logits(hidden))                                    # [B] the first new tokens
+    if getattr(drafter, "stateful", False):                                         # its own cache, from the prompts
+        drafter.start(prompts, every, roots, capacities, block_size)
+    del every
     out = [[t] for t in roots.tolist()]
     rec.first_token()
     done = [t in stop or max_new_tokens == 1 for t in roots.tolist()]
@@ -152,11 +171,11 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
         if now != live:                                                             # rebuild only on change
             live, rows = now, torch.tensor(now, device=dev)
         depths = policy.depths(live, out, done if graphs is not None else None)
-        tree, parents = trees.for_depths(depths)
+        tree, parents = (None, None) if dynamic else trees.for_depths(depths)
         frozen = torch.tensor([done[b] for b in live], device=dev) if graphs is not None else None
         step = mtp_step(model, cache, rows, roots[rows], hidden[rows], tree, drafter, sampler, ops, parents=parents,
                         context=(live, [out[b] for b in live]), check_values=check, timer=rec.timer,
-                        graphs=graphs, frozen=frozen, pruner=pruner)
+                        graphs=graphs, frozen=frozen, pruner=pruner, depths=depths)
         hidden[rows] = step.hidden
         roots[rows] = step.bonus
 
@@ -178,7 +197,8 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
         rec.step(dt, accepted, [d for _, d in stepped], emitted, nodes=T)
         rec.fallbacks += policy.update([b for b, _ in stepped], [d for _, d in stepped], accepted, emitted, dt)
 
-    return GenerateResult(out, rec.finish(sum(len(o) for o in out), ops.kind, full_tree.size, cache.nbytes(),
+    cache_bytes = cache.nbytes() + (drafter.cache.nbytes() if getattr(drafter, "stateful", False) else 0)
+    return GenerateResult(out, rec.finish(sum(len(o) for o in out), ops.kind, budget, cache_bytes,
                                           pruner.costs.describe() if isinstance(pruner, CostPruner) else None))
 
 

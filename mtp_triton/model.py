@@ -226,7 +226,7 @@ class LlamaEngine(nn.Module):
         return self.dtype in (torch.bfloat16, torch.float16) and self.device.type == "cpu" and ops.kind == "torch"
 
     @torch.no_grad()
-    def forward_tree(self, tokens, positions, tree_mask, cache, rows, ops, check_values=True, exact=None):
+    def forward_tree(self, tokens, positions, tree_mask, cache, rows, ops, check_values=True, exact=None, embeds=None):
         """Run T nodes per sequence through all layers.
 
         tokens, positions [B, T] int64; tree_mask [T, T] or [B, T, T] bool; rows [B] int64: which cache
@@ -238,15 +238,17 @@ class LlamaEngine(nn.Module):
         position from cache_lens and its depth in tree_mask, which is how `positions` are built.
         exact: use the batch-invariant attention and never a 1-row matmul (None: `exact_mode(ops)`; prefill
         passes False: it is the same call for serial and MTP decoding, so it needs no invariance).
+        embeds [B, T, D]: the first layer's input instead of embed_tokens(tokens) (tokens may then be None): the MTP
+        module (mtp_module.py) runs its block this way, on fc([enorm(E x); hnorm(h)]).
         """
         cfg = self.config
-        B, T = tokens.shape
+        B, T = positions.shape
         Hq, Hkv, Dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         block_table, cache_lens = cache.block_table[rows], cache.cache_lens[rows]
         k_tree = torch.empty(cfg.num_hidden_layers, B, T, Hkv, Dh, dtype=self.dtype, device=self.device)
         v_tree = torch.empty_like(k_tree)
         cos, sin = self.rope(positions)
-        x = self.embed_tokens(tokens)                                          # [B, T, D]
+        x = self.embed_tokens(tokens) if embeds is None else embeds            # [B, T, D]
         exact = self.exact_mode(ops) if exact is None else exact
         lin = invariant.linear if exact else _linear
         packed = packed_layers(self)                # None: the nn.Linear layers (bf16: the same bits, slower)

@@ -32,7 +32,8 @@ def fused_draft(hidden, res_weight, res_bias, lm_head, top_k, *, token_map=None,
 
     head h:  z_h = x + silu(W_h x + b_h);  logits_h = L_h @ z_h           (Medusa, Cai et al. 2024)
     hidden [B, D]; res_weight [H, D, D]; res_bias [H, D]; lm_head [V, D] (shared: L_h = lm_head) or [H, V, D]
-    (one per head: L_h = lm_head[h], as FasterDecoding's Medusa checkpoints).
+    (one per head: L_h = lm_head[h], as FasterDecoding's Medusa checkpoints). res_weight = res_bias = None: the
+    ResBlock switched off, one "head" with z = x (the MTP module's scores).
     token_map: None, or int64 [V] strictly increasing token ids (a draft vocabulary, FR-Spec / EAGLE-3's d2t):
     lm_head holds just those V rows, the ranking is over them, and token_ids = token_map[row].
     returns token_ids [B, H, top_k] int64 (descending logit, ties -> lower id) and
@@ -43,8 +44,11 @@ def fused_draft(hidden, res_weight, res_bias, lm_head, top_k, *, token_map=None,
                                                  values=check_values)
     acc = _acc_dtype(hidden.dtype)
     x = hidden.to(acc)                                                    # [B, D]
-    pre = torch.einsum("bd,hed->bhe", x, res_weight.to(acc)) + res_bias.to(acc)  # [B, H, D]
-    z = x[:, None, :] + F.silu(pre)                                       # [B, H, D]
+    if res_weight is None:                                                # the ResBlock off: z = x, H = 1
+        z = x[:, None, :]
+    else:
+        pre = torch.einsum("bd,hed->bhe", x, res_weight.to(acc)) + res_bias.to(acc)  # [B, H, D]
+        z = x[:, None, :] + F.silu(pre)                                   # [B, H, D]
     if lm_head.dim() == 2:
         logits = z @ lm_head.to(acc).T                                    # [B, H, V]  shared LM head
     else:

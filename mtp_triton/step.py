@@ -181,7 +181,7 @@ def append(cache, rows, k_tree, v_tree, accept_nodes, accept_len, ops, check_val
 
 
 def mtp_step(model, cache, rows, roots, hidden, tree, drafter, sampler, ops, *, parents=None, context=None,
-             check_values=True, timer=None, graphs=None, frozen=None, pruner=None):
+             check_values=True, timer=None, graphs=None, frozen=None, pruner=None, depths=None):
     """draft -> verify -> accept -> append for the rows `rows` of the cache.   -> Step
 
     roots [A] the newest committed token per row; hidden [A, D] its hidden state; tree: the candidate tree;
@@ -190,13 +190,20 @@ def mtp_step(model, cache, rows, roots, hidden, tree, drafter, sampler, ops, *, 
     graphs: a `GraphedVerify` to replay the verify forward from (CUDA). frozen [A] bool: rows that must not grow.
     pruner: a `Pruner` (confidence pruning): the step then verifies only the nodes it keeps, and Step.draft /
     accept_nodes index that sub-tree (Step.draft.shape[1] nodes).
+    A drafter with `dynamic = True` draws the tree itself (`draft_dynamic(rows, roots, depths)`, depths: each row's
+    depth limit; `tree` and `parents` are then unused), and one with `stateful = True` is shown what was committed
+    (`observe`) after the step.
     """
     clock = timer.start if timer else (lambda: None)
     stop = timer.stop if timer else (lambda name, t0: None)
-    parents = tree.parents if parents is None else parents
+    parents = tree.parents if parents is None and tree is not None else parents
 
     t0 = clock()
-    if pruner is None:
+    if getattr(drafter, "dynamic", False):          # the drafter draws the step's tree (drafters_mtp.ModuleDrafter)
+        tree, tokens, path_prob, parents = drafter.draft_dynamic(rows, roots, depths)
+        if pruner is not None:
+            tree, tokens, parents = pruner(tree, tokens, path_prob, parents)        # [A, T'] with T' <= T
+    elif pruner is None:
         tokens = draft(drafter, hidden, roots, tree, context)                       # [A, T]
     else:
         tokens, path_prob = draft(drafter, hidden, roots, tree, context, min_prob=pruner.min_prob)
@@ -213,6 +220,8 @@ def mtp_step(model, cache, rows, roots, hidden, tree, drafter, sampler, ops, *, 
 
     t0 = clock()
     append(cache, rows, k_tree, v_tree, accept_nodes, accept_len, ops, check_values, frozen)
+    if getattr(drafter, "stateful", False):         # the drafter's own cache takes the committed pairs next draft
+        drafter.observe(rows, h_tree, tokens, accept_nodes, accept_len, bonus)
     last = accept_nodes.gather(1, accept_len[:, None])[:, 0]                        # deepest accepted node [A]
     h_last = h_tree[torch.arange(len(last), device=last.device), last]              # [A, D]
     stop("append", t0)

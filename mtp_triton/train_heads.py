@@ -48,6 +48,8 @@ SUBCOMMANDS = {
     "joint": ("mtp_triton.training.joint", "train_joint", "train a small Llama and its heads together (MTP loss)"),
     "frozen": ("mtp_triton.training.frozen", "train_frozen", "self-distil heads for a frozen base (Medusa-1)"),
     "distill": ("mtp_triton.training.distill", "run", "heads for a frozen chat model from its own answers (SmolLM2)"),
+    "mtp": ("mtp_triton.training.module", "run", "an MTP module (one block, DeepSeek-V3 / EAGLE style) for a frozen "
+            "chat model from its own answers"),
     "retree": ("mtp_triton.training.retree", "run", "choose trained heads' tree again for this machine (no training)"),
     "eval": ("mtp_triton.training.evaluate", "measure_tau",
              "measure tau with mtp_triton.generate (greedy) per tree on a prompt file"),

@@ -506,3 +506,31 @@ def test_bench_rows_and_plot(tmp_path):
     append_rows(csv_path, rows)
     bench.plot(read_rows(csv_path), str(tmp_path / "drafting.png"))
     assert (tmp_path / "drafting.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("B,D,V,top_k,tiles", [(1, 48, 203, 8, "default"), (7, 72, 199, 10, "small"),
+                                               (3, 40, 37, 37, "small")])
+def test_resblock_off_matches_reference(B, D, V, top_k, tiles):
+    """res_weight = res_bias = None (the MTP module's scores): one "head" with z = x, the same as the twin, as zero
+    ResBlocks, and as plain torch (topk / log_softmax of hidden @ lm_head.T); with a draft vocabulary too."""
+    hidden, _, _, lm_head = make_inputs(B, 1, D, V, seed=21)
+    token_map = draft_vocab(V + 50, V, seed=22)
+    over = SMALL_TILES if tiles == "small" else {}
+    ids, logp = _fused_draft(hidden, None, None, lm_head, top_k, token_map=token_map, **over)
+    assert ids.shape == (B, 1, top_k)
+    assert_same_draft(ids, logp, (hidden, None, None, lm_head), top_k, 1e-4, "resblock off", token_map)
+    zero = torch.zeros(1, D, D, device=DEVICE), torch.zeros(1, D, device=DEVICE)
+    z_ids, z_logp = _fused_draft(hidden, *zero, lm_head, top_k, token_map=token_map, **over)
+    assert torch.equal(ids, z_ids)
+    assert_close(logp, z_logp, atol=1e-5, what="resblock off vs zero resblock")
+    plain = torch.log_softmax(hidden.double() @ lm_head.double().T, -1)
+    assert_close(logp[:, 0], plain.gather(-1, torch.searchsorted(token_map, ids[:, 0])).float(), atol=1e-4,
+                 what="resblock off vs plain torch")
+
+
+@pytest.mark.parametrize("twin", ["triton", "torch"])
+def test_resblock_half_off_is_refused(twin):
+    hidden, w, b, lm_head = make_inputs(2, 1, 48, 203)
+    fn = fused_draft if twin == "triton" else reference.fused_draft
+    with pytest.raises(ValueError, match="both None"):
+        fn(hidden, w, None, lm_head, 4)

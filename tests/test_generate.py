@@ -178,9 +178,9 @@ def peaked():
     return model, prompt, temp, _exact_pair_probs(model, prompt, temp).flatten()
 
 
-def _chi2_vs_exact(model, prompt, temp, exact, tree, n=3000, runtime=None):
+def _chi2_vs_exact(model, prompt, temp, exact, tree, n=3000, runtime=None, heads=None):
     """Chi-square of the (2nd, 3rd) new-token pairs of n MTP samples against the exact law, and its limit."""
-    heads = mt.init_heads(model, 3, seed=0)
+    heads = mt.init_heads(model, 3, seed=0) if heads is None else heads
     res = mt.generate(model, [prompt] * n, 3, heads=heads, tree=tree, temperature=temp, seed=123, runtime=runtime)
     assert res.stats.accept_rate_per_depth[0] > 0.1          # acceptance really happened
     if runtime is not None and runtime.prune_below is not None:   # pruning really happened
@@ -208,6 +208,15 @@ def test_sampling_is_distribution_preserving(peaked, tree):
 def test_sampling_with_confidence_pruning_is_distribution_preserving(peaked):
     """Pruning picks the verified nodes from the drafter's probabilities only, so sampling stays exact."""
     chi2, limit, rare, rare_expected = _chi2_vs_exact(*peaked, "medusa-16", runtime=mt.RuntimeConfig(prune_below=0.05))
+    assert chi2 < limit, f"chi2 {chi2:.1f} > {limit:.1f}"
+    assert rare <= max(20, 3 * rare_expected)
+
+
+def test_sampling_with_the_mtp_module_is_distribution_preserving(peaked):
+    """The MTP module's dynamic tree (drawn from its own probabilities, per row) keeps sampling exact too."""
+    model = peaked[0]
+    mod = mt.MTPModule.from_target(model, draft=dict(depth=2, top_k=3, beam=2, nodes=6)).to(model.dtype)
+    chi2, limit, rare, rare_expected = _chi2_vs_exact(*peaked, None, heads=mod)
     assert chi2 < limit, f"chi2 {chi2:.1f} > {limit:.1f}"
     assert rare <= max(20, 3 * rare_expected)
 

@@ -24,6 +24,7 @@ import uuid
 import torch
 
 from ..generate import RuntimeConfig, generate
+from ..mtp_module import MTPModule
 from ..tree import PRESETS, Tree
 from .common import KeptRows, env_info, tree_by_name
 from .scenarios import default_scenario_dir, fit, item_text, prompt_ids
@@ -75,6 +76,9 @@ def sweep_tree_names(num_heads, stored=False):
 def harness_tree(name, heads, heads_dir=None, model=None, kernels="auto"):
     """The tree a name stands for: 'stored' (saved with the heads, else 'tuned') and 'auto' (tuned now to this
     machine's step costs) as in the demo (`demo.pick_tree`); every other name as `tree_by_name`."""
+    if isinstance(heads, MTPModule):                 # a dynamic tree each step: nothing to pick (demo.pick_tree)
+        from ..demo import pick_tree
+        return pick_tree(name, heads, heads_dir)
     if name == "stored" and heads.tree is not None:
         return Tree.from_choices(heads.tree)
     if name == "auto" and heads_dir is not None:
@@ -97,6 +101,7 @@ class Harness:
         self.model, self.heads, self.tok, self.cfg = model, heads, tok, cfg
         self.ctx = model.config.max_position_embeddings
         self.eos = getattr(tok, "eos_token_id", None)
+        from ..demo import tree_size               # a function-level import: demo imports bench.common
         self.tree = harness_tree(cfg.tree, heads, heads_dir, model, cfg.kernels)
         self.heads_dir = heads_dir
         rt = {k: v for k, v in (("fallback_threshold", cfg.fallback), ("prune_below", cfg.prune_below)) if v is not None}
@@ -104,7 +109,9 @@ class Harness:
         self.env = env_info(model.device)
         self.config = config_id(cfg, model, heads)
         self.base = dict(self.env, run_id=uuid.uuid4().hex[:8], config=self.config, tree=cfg.tree,
-                         tree_size=self.tree.size, tree_depth=self.tree.max_depth, temperature=cfg.temperature,
+                         tree_size=tree_size(heads, self.tree), temperature=cfg.temperature,
+                         tree_depth=heads.draft["depth"] if self.tree is None else self.tree.max_depth,
+                         drafter="mtp" if self.tree is None else "medusa",
                          top_p=cfg.top_p)
         self.rows, self.failures = [], []
         self.sink, self.warm = sink, False
@@ -215,6 +222,10 @@ class Harness:
     # ---- parameter sensitivity ----
     def sweep(self, scenarios):
         cfg = self.cfg
+        if isinstance(self.heads, MTPModule):           # trees are what the sweep varies; the module draws its own
+            print("sweep: skipped for the MTP module (its tree is drawn every step; the sweep varies the trees of "
+                  "MTP heads)", file=sys.stderr)
+            return
         names = list(cfg.sweep_trees or sweep_tree_names(self.heads.num_heads, self.heads.tree is not None))
         trees = [("serial", Tree.root_only())] + [(n, harness_tree(n, self.heads, self.heads_dir, self.model,
                                                                    cfg.kernels)) for n in names]

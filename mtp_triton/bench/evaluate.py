@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cli import error, run
-from ..demo import SMOLLM2, heads_dir_for, load_bundle
+from ..demo import DEFAULT_DRAFTER, DRAFTERS, SMOLLM2, heads_dir_for, load_bundle
 from ..generate import RuntimeConfig
 from ..loading import SHORT_NAMES
 from ..sampling import check_temperature
@@ -194,8 +194,10 @@ def build_parser():
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=SMOLLM2, help=f"a short name ({', '.join(SHORT_NAMES)}), a checkpoint folder "
                     f"(config.json + *.safetensors + tokenizer) or a .gguf file; default {SMOLLM2}")
-    ap.add_argument("--heads", default=None, help="heads folder (default: the model's shipped heads, <folder>/heads "
-                    "for a checkpoint folder)")
+    ap.add_argument("--drafter", default=DEFAULT_DRAFTER, choices=DRAFTERS, help="medusa: MTP heads; mtp: the MTP "
+                    f"module (one block, a dynamic tree each step); default {DEFAULT_DRAFTER}")
+    ap.add_argument("--heads", default=None, help="the drafter's folder (default: the model's shipped heads or module; "
+                    "<folder>/heads or <folder>/mtp for a checkpoint folder)")
     ap.add_argument("--tree", default="stored", help="'stored' (saved with the heads, else tuned), 'auto' (tuned now "
                     "to this machine), 'tuned', a preset (medusa-16, chain-4, ...), chain-N or width-K")
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -269,10 +271,11 @@ def _main(a, argv):
     missing = _model_missing(a.model)
     if missing:
         return error(missing)
-    heads_dir = a.heads or heads_dir_for(a.model)
+    heads_dir = a.heads or heads_dir_for(a.model, a.drafter)
     if not os.path.exists(heads_dir):
-        return error(f"no MTP heads at {heads_dir!r}. Train them (python -m mtp_triton train_heads distill ... for a "
-                      "chat model) or pass --heads <folder>.")
+        recipe = "mtp" if a.drafter == "mtp" else "distill"
+        return error(f"no {'MTP module' if a.drafter == 'mtp' else 'MTP heads'} at {heads_dir!r}. Train one (python -m "
+                     f"mtp_triton train_heads {recipe} ... for a chat model) or pass --heads <folder>.")
     kw = dict(tree=a.tree, temperature=a.temperature, top_p=a.top_p, seed=a.seed, kernels=a.kernels,
               scenarios=tuple(a.scenarios) if a.scenarios else None, scenario_dir=a.scenario_dir, sweep=a.sweep,
               long_run=a.long_run, timeout_s=a.timeout, fallback=a.fallback, prune_below=a.prune_below,
@@ -286,7 +289,7 @@ def _main(a, argv):
         return error(e)
     try:
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[a.dtype]
-        model, heads, tok = load_bundle(a.model, heads_dir, a.device, dtype)
+        model, heads, tok = load_bundle(a.model, heads_dir, a.device, dtype, a.drafter)
     except (ValueError, OSError, KeyError, RuntimeError, SafetensorError) as e:
         return error(f"could not load the model or heads from {a.model!r}: {type(e).__name__}: {e}")
     try:
@@ -299,8 +302,9 @@ def _main(a, argv):
     except ValueError as e:
         return error(e)
     where = "CPU (numbers are CPU numbers)" if model.device.type != "cuda" else torch.cuda.get_device_name()
-    print(f"eval: {a.model} ({str(model.dtype).replace('torch.', '')}) on {where}; heads {heads_dir} "
-          f"({heads.num_heads}); tree {a.tree}; T={a.temperature}; scenarios "
+    print(f"eval: {a.model} ({str(model.dtype).replace('torch.', '')}) on {where}; drafter {heads_dir}: "
+          f"{'the MTP module' if a.drafter == 'mtp' else f'{heads.num_heads} heads'}"
+          f"; tree {a.tree}; T={a.temperature}; scenarios "
           f"{os.path.relpath(cfg.scenario_dir, ROOT)}: {', '.join(first)}"
           + (" (chat template)" if has_chat_template(tok) else "")
           + ("; --quick (tiny sizes)" if a.quick else "") + ("; --resume" if a.resume else ""), file=sys.stderr)

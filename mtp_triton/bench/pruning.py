@@ -102,7 +102,9 @@ def build_parser():
     ap = argparse.ArgumentParser(prog="python -m mtp_triton prune", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (as the demo)")
-    ap.add_argument("--heads", default=None, help="heads folder (default: the model's shipped heads)")
+    ap.add_argument("--drafter", default="medusa", choices=["medusa", "mtp"], help="medusa: MTP heads; mtp: the MTP "
+                    "module (a dynamic tree each step, pruned by its own path probabilities)")
+    ap.add_argument("--heads", default=None, help="the drafter's folder (default: the model's shipped heads or module)")
     ap.add_argument("--prompts", default="chat", help="'chat', 'templated' or a JSONL file with 'text' (and "
                     "'category')")
     ap.add_argument("--per-category", type=int_at_least(1), default=2, help="prompts per category (>= 1)")
@@ -147,10 +149,10 @@ def main(argv=None):
 
 
 def _run(a, argv, thresholds, prompts):
-    from ..demo import encode, heads_dir_for, load_bundle, pick_prompts, pick_tree
+    from ..demo import describe_drafter, encode, heads_dir_for, load_bundle, pick_prompts, pick_tree, tree_size
     try:
-        model, heads, tok = load_bundle(a.model, a.heads)
-        tree = pick_tree(a.tree, heads, a.heads or heads_dir_for(a.model), model, a.kernels)
+        model, heads, tok = load_bundle(a.model, a.heads, drafter=a.drafter)
+        tree = pick_tree(a.tree, heads, a.heads or heads_dir_for(a.model, a.drafter), model, a.kernels)
     except (OSError, ValueError, RuntimeError) as e:
         return error(e)
     cfgs = configs(thresholds)
@@ -158,20 +160,22 @@ def _run(a, argv, thresholds, prompts):
     eos = tok.eos_token_id
     csv_path = os.path.join(a.out, "prune.csv")
     env = env_info(model.device)
-    setup = (f"model {fingerprint(model)} heads {fingerprint(heads)} tree {prompt_hash(repr(tree.paths))} "
+    paths = "dynamic " + repr(heads.draft) if tree is None else repr(tree.paths)
+    setup = (f"model {fingerprint(model)} heads {fingerprint(heads)} tree {prompt_hash(paths)} "
              f"max_new_tokens {a.max_new_tokens} kernels {a.kernels}")
     kept = KeptRows(resume_rows(csv_path, log=lambda line: print(line, file=sys.stderr)) if a.resume else [],
                     row_key)
     cmd = "python -m mtp_triton prune " + " ".join(argv)
-    print(f"model {a.model}, {model.dtype}, {torch.get_num_threads()} threads; tree of {tree.size} nodes (depth "
-          f"{tree.max_depth}); {len(rows)} prompts ({a.prompts}), {a.max_new_tokens} new tokens; "
+    print(f"model {a.model}, {model.dtype}, {torch.get_num_threads()} threads; {describe_drafter(heads, tree)}; "
+          f"{len(rows)} prompts ({a.prompts}), {a.max_new_tokens} new tokens; "
           f"configurations: {', '.join(n for n, _ in cfgs)}" + ("; --resume" if a.resume else ""))
     mine, warm = [], False
     try:
         for r in rows:
             base = dict(env, run="prune", setup=setup, model=a.model, dtype=str(model.dtype).replace("torch.", ""),
                         threads=torch.get_num_threads(), prompts=a.prompts, prompt_id=r.get("id"),
-                        prompt_hash=prompt_hash(r["text"]), category=r.get("category"), tree_size=tree.size,
+                        prompt_hash=prompt_hash(r["text"]), category=r.get("category"), tree_size=tree_size(heads, tree),
+                        drafter=a.drafter,
                         max_new_tokens=a.max_new_tokens)
             again = kept.take(*[row_key(dict(base, config=n)) for n, _ in cfgs])
             if again:

@@ -105,7 +105,11 @@ def check_fused_draft_inputs(hidden, res_weight, res_bias, lm_head, top_k, token
     1 <= top_k <= V; token_map None or int64 [V], strictly increasing ids in [0, 2^31 - 1]. `values=False` skips
     the checks that read token_map's values (a host sync on a GPU); shapes, dtypes and devices are always checked.
     """
+    if (res_weight is None) != (res_bias is None):
+        raise ValueError("fused_draft: res_weight and res_bias are both tensors, or both None (the ResBlock off)")
     tensors = dict(hidden=hidden, res_weight=res_weight, res_bias=res_bias, lm_head=lm_head)
+    if res_weight is None:                       # the ResBlock switched off: one "head", z = x
+        tensors = dict(hidden=hidden, lm_head=lm_head)
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"fused_draft: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -117,12 +121,12 @@ def check_fused_draft_inputs(hidden, res_weight, res_bias, lm_head, top_k, token
     if hidden.dim() != 2:
         raise ValueError(f"fused_draft: hidden must be [B, D], got shape {tuple(hidden.shape)}")
     B, D = hidden.shape
-    if res_weight.dim() != 3 or res_weight.shape[1:] != (D, D):
+    if res_weight is not None and (res_weight.dim() != 3 or res_weight.shape[1:] != (D, D)):
         raise ValueError(f"fused_draft: res_weight must be [H, {D}, {D}], got {tuple(res_weight.shape)}")
-    H = res_weight.shape[0]
+    H = 1 if res_weight is None else res_weight.shape[0]
     if H < 1:
         raise ValueError("fused_draft: need at least one head (res_weight.shape[0] >= 1)")
-    if tuple(res_bias.shape) != (H, D):
+    if res_bias is not None and tuple(res_bias.shape) != (H, D):
         raise ValueError(f"fused_draft: res_bias must be [{H}, {D}], got {tuple(res_bias.shape)}")
     if not ((lm_head.dim() == 2 and lm_head.shape[1] == D) or
             (lm_head.dim() == 3 and lm_head.shape[0] == H and lm_head.shape[2] == D)):
@@ -144,7 +148,7 @@ def check_fused_draft_inputs(hidden, res_weight, res_bias, lm_head, top_k, token
     devices = {t.device for t in tensors.values()}
     if len(devices) != 1:
         raise ValueError(f"fused_draft: all tensors must be on one device, got {sorted(map(str, devices))}")
-    dtypes = {res_weight.dtype, res_bias.dtype}
+    dtypes = {res_weight.dtype, res_bias.dtype} if res_weight is not None else {hidden.dtype}
     if len(dtypes) != 1:
         raise TypeError(f"fused_draft: res_weight and res_bias must share a dtype, got {sorted(map(str, dtypes))}")
     for name, t in tensors.items():
@@ -414,7 +418,8 @@ def fused_draft(hidden, res_weight, res_bias, lm_head, top_k, *, token_map=None,
 
     head h:  z_h = x + silu(W_h x + b_h);  logits_h = L_h @ z_h               (Medusa, Cai et al. 2024)
     hidden [B, D]; res_weight [H, D, D]; res_bias [H, D]; lm_head [V, D] (shared: L_h = lm_head) or [H, V, D]
-    (one per head: L_h = lm_head[h]); fp16 / bf16 / fp32 / fp64, contiguous.
+    (one per head: L_h = lm_head[h]); fp16 / bf16 / fp32 / fp64, contiguous. res_weight = res_bias = None: the
+    ResBlock switched off, one "head" with z = x (the MTP module's scores: L x, top-k); no ResBlock launch.
     token_map: None, or int64 [V] strictly increasing token ids of a draft vocabulary whose V rows lm_head holds;
     then token_ids = token_map[row] and logprobs are log_softmax over the V draft rows.
     check_values=False skips the checks that read token_map's values (host syncs); shapes are always checked.
@@ -434,7 +439,7 @@ def _fused_draft(hidden, res_weight, res_bias, lm_head, top_k, token_map=None, *
                            "interpreter: call mtp_triton.use_interpreter() (or set TRITON_INTERPRET=1) before "
                            "importing them")
     B, D = hidden.shape
-    H, V = res_weight.shape[0], lm_head.shape[-2]
+    H, V = 1 if res_weight is None else res_weight.shape[0], lm_head.shape[-2]
     per_head = lm_head.dim() == 3
     R = B * H
     cfg = {**draft_config(B, H, D, V, top_k, device, per_head), **overrides}
@@ -443,13 +448,20 @@ def _fused_draft(hidden, res_weight, res_bias, lm_head, top_k, token_map=None, *
     split = gpu and lm_head.dtype in half
 
     # 1. ResBlocks of all heads: z [B, H, D], fp32, or hi + lo in lm_head's dtype for the tensor-core dots
-    z_hi = _empty((B, H, D), lm_head.dtype if split else torch.float32, device)
-    z_lo = _empty((B, H, D), lm_head.dtype, device) if split else z_hi
-    grid = (H, triton.cdiv(D, cfg["BLOCK_N"]), triton.cdiv(B, cfg["BLOCK_B"]))
-    _resblock_kernel[grid](hidden, res_weight, res_bias, z_hi, z_lo, B, H, D,
-                           BLOCK_B=cfg["BLOCK_B"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-                           SPLIT_IN=gpu and res_weight.dtype in half, SPLIT_OUT=split,
-                           num_warps=cfg["res_warps"], num_stages=cfg["res_stages"])
+    if res_weight is None:                       # the ResBlock off (the MTP module's scores): z = x, no launch
+        z_hi = hidden.float()[:, None, :].contiguous()
+        z_lo = z_hi
+        if split:
+            z_hi = z_hi.to(lm_head.dtype)
+            z_lo = (hidden.float()[:, None, :] - z_hi.float()).to(lm_head.dtype)
+    else:
+        z_hi = _empty((B, H, D), lm_head.dtype if split else torch.float32, device)
+        z_lo = _empty((B, H, D), lm_head.dtype, device) if split else z_hi
+        grid = (H, triton.cdiv(D, cfg["BLOCK_N"]), triton.cdiv(B, cfg["BLOCK_B"]))
+        _resblock_kernel[grid](hidden, res_weight, res_bias, z_hi, z_lo, B, H, D,
+                               BLOCK_B=cfg["BLOCK_B"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+                               SPLIT_IN=gpu and res_weight.dtype in half, SPLIT_OUT=split,
+                               num_warps=cfg["res_warps"], num_stages=cfg["res_stages"])
 
     # 2. split-V: every (row tile, vocab tile, LM head) -> tile max, sum-exp, top-k keys
     NT = triton.cdiv(V, cfg["BLOCK_V"])

@@ -1,0 +1,212 @@
+"""The MTP module: one decoder block that drafts from the target's hidden state and the next token.
+
+DeepSeek-V3's multi-token-prediction module (DeepSeek-AI 2024, https://arxiv.org/abs/2412.19437, section 2.2) and
+EAGLE's draft model (Li et al. 2024, https://arxiv.org/abs/2401.15077) are one machine. At index m it reads the
+target's final-norm hidden state h_m and the input embedding of the token after it, x_{m+1}:
+
+    u_m = W_fc [RMSNorm_e(E x_{m+1}); RMSNorm_h(h_m)]            W_fc [D, 2D] (vLLM's deepseek_mtp.py order)
+    f_m = RMSNorm_o(Block(u)_m)                                  one decoder block of the target's own family
+    p(x_{m+2} | ...) = softmax(L f_m)                            L: the target's LM head (a draft vocabulary's rows)
+
+The block attends causally over the indices m (RoPE position m). f_m is trained towards h_{m+1}, the target's own
+hidden state one position on, so the module can stand in for the target: to draft further it reads its own f and
+its own drafted token (EAGLE's feature-level recurrence). E and L are the target's, frozen and shared; the module
+owns W_fc, the three norms and the block (about 3 % of SmolLM2-135M).
+
+Training unrolls that recurrence ("training-time test", EAGLE-3, https://arxiv.org/abs/2503.01840): step k of the
+unroll reads, at index m, u^(k)_m from f^(k-1)_{m-1} and x_{m+1}, and attends to step 0's keys at m' <= m - k and to
+step j's key at m - (k - j) for 1 <= j <= k: exactly what a tree node at depth k sees when drafting (the committed
+cache, then its own ancestors). `unroll` is that differentiable forward; decoding runs the same block through the
+engine's paged-cache step (`engine`, `drafters_mtp.ModuleDrafter`).
+
+Files: a folder with module.safetensors (fc, the norms, the block's projections, token_map) and module.json
+(format "mtp_triton.module/1", the block's config fields, the dynamic tree's defaults, free metadata).
+"""
+import dataclasses
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save
+from torch import nn
+
+from .heads import _check_token_map
+from .loading import check_finite as check_finite_tensors
+from .model import Block, LlamaEngine, ModelConfig, RMSNorm, rope_inv_freq, rotate_half
+from .records import write_bytes, write_json
+
+MODULE_FILE, MODULE_META, FORMAT = "module.safetensors", "module.json", "mtp_triton.module/1"
+# the dynamic tree's defaults (EAGLE-2): depth, candidates per expanded node, nodes expanded per depth, nodes kept
+DRAFT_DEFAULTS = dict(depth=6, top_k=8, beam=4, nodes=32)
+
+
+class MTPModule(nn.Module):
+    """One block of the target's family over fc([enorm(E x); hnorm(h)]), an output norm, and a draft vocabulary.
+
+    cfg: the target's ModelConfig (the block takes its widths, heads, RoPE and norms; one layer).
+    token_map: the draft vocabulary [V'] (strictly increasing ids) whose LM-head rows drafting scores; None: all."""
+
+    def __init__(self, cfg, token_map=None, draft=None):
+        super().__init__()
+        last = None if cfg.layer_types is None else (cfg.layer_types[-1],)
+        self.config = dataclasses.replace(cfg, num_hidden_layers=1, layer_types=last)
+        D, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.enorm, self.hnorm, self.norm = RMSNorm(D, eps), RMSNorm(D, eps), RMSNorm(D, eps)
+        self.fc = nn.Linear(2 * D, D, bias=False)
+        self.block = Block(self.config)
+        self.token_map = None if token_map is None else _check_token_map(token_map, cfg.vocab_size)
+        self.draft = dict(DRAFT_DEFAULTS, **(draft or {}))
+        self.meta = {}
+
+    @property
+    def hidden_size(self):
+        return self.config.hidden_size
+
+    def inv_freq(self, device):
+        """RoPE's inverse frequencies in fp32 whatever the weights' dtype (not a buffer: .to(bf16) would round them)."""
+        return rope_inv_freq(self.config).to(device)
+
+    @classmethod
+    def from_target(cls, model, token_map=None, draft=None):
+        """A fresh module for `model`, in fp32 on the model's device: the block starts as the target's last layer
+        with its two output projections (o, down) at zero, fc as [0 | I] and the output norm as the target's final
+        norm, so the module starts as f = RMSNorm_o(hnorm(h)), close to h itself; training then moves it on."""
+        m = cls(model.config, token_map, draft).to(model.device)
+        D = model.config.hidden_size
+        with torch.no_grad():
+            m.block.load_state_dict(model.layers[-1].state_dict())
+            m.block.o_proj.weight.zero_()
+            m.block.down_proj.weight.zero_()
+            m.fc.weight.zero_()
+            m.fc.weight[:, D:] = torch.eye(D)
+            m.norm.weight.copy_(model.norm.weight)
+        return m.float()
+
+    def inputs(self, embed, h, tokens):
+        """u = W_fc [enorm(E x); hnorm(h)]: embed [V, D] the target's embedding, h [..., D], tokens [...] -> [..., D]."""
+        e = embed[tokens].to(h.dtype)
+        return self.fc(torch.cat([self.enorm(e), self.hnorm(h)], -1))
+
+    def lm_rows(self, lm_weight):
+        """The LM-head rows drafting scores: lm_weight[token_map] [V', D] (or all of it)."""
+        return lm_weight if self.token_map is None else lm_weight[self.token_map.to(lm_weight.device)]
+
+    # ---- training: the unrolled, differentiable forward -------------------------------------------------
+    def unroll(self, embed, h, nxt, steps):
+        """f^(k) [B, S, D] for k = 0 .. steps-1 (module docstring). h [B, S, D] the target's final-norm hidden states
+        at m; nxt [B, S] the token at m + 1. f^(k)_m predicts the token at m + 2 and is scored where m >= k."""
+        cfg, blk = self.config, self.block
+        B, S, D = h.shape
+        Hq, Hkv, Dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        m = torch.arange(S, device=h.device)
+        freqs = m.float()[:, None] * self.inv_freq(h.device)                       # [S, Dh/2]
+        emb = torch.cat((freqs, freqs), -1)
+        cos, sin = emb.cos()[None, :, None, :], emb.sin()[None, :, None, :]     # [1, S, 1, Dh]
+        window = cfg.window(0)
+        e = self.enorm(embed[nxt].to(h.dtype))                                      # [B, S, D]
+        ks, vs, outs, u = [], [], [], h
+        for k in range(steps):
+            x = self.fc(torch.cat([e, self.hnorm(u)], -1))
+            a = blk.input_layernorm(x)
+            q = blk.q_proj(a).view(B, S, Hq, Dh)
+            kk, v = blk.k_proj(a).view(B, S, Hkv, Dh), blk.v_proj(a).view(B, S, Hkv, Dh)
+            if cfg.qk_norm:
+                q, kk = blk.q_norm(q), blk.k_norm(kk)
+            q = q * cos.to(q.dtype) + rotate_half(q) * sin.to(q.dtype)
+            kk = kk * cos.to(kk.dtype) + rotate_half(kk) * sin.to(kk.dtype)
+            ks.append(kk)
+            vs.append(v)
+            seen = m[None, :] <= m[:, None] - k                                     # step 0: the committed context
+            if window is not None:
+                seen &= m[:, None] - m[None, :] < window
+            mask = torch.cat([seen] + [m[None, :] == m[:, None] - (k - j) for j in range(1, k + 1)], 1)  # [S, (k+1)S]
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), torch.cat(ks, 1).transpose(1, 2),
+                                               torch.cat(vs, 1).transpose(1, 2), attn_mask=mask, enable_gqa=True)
+            x = x + blk.o_proj(o.transpose(1, 2).reshape(B, S, Hq * Dh))
+            a = blk.post_attention_layernorm(x)
+            x = x + blk.down_proj(F.silu(blk.gate_proj(a)) * blk.up_proj(a))
+            f = self.norm(x)
+            outs.append(f)
+            u = torch.cat([f[:, :1], f[:, :-1]], 1)                                 # u^(k+1)_m = f^(k)_{m-1}
+        return outs
+
+    # ---- decoding: the block as a one-layer engine over a paged cache ----------------------------------
+    def engine(self, model):
+        """A one-layer LlamaEngine whose layer, final norm and RoPE are this module's (shared, not copied): its
+        `forward_tree(embeds=u)` is the decoding step, over a paged cache of its own (`new_cache`)."""
+        with torch.device("meta"):
+            eng = LlamaEngine(self.config)
+        w = self.fc.weight                                 # the engine's device and dtype are the module's
+        eng.embed_tokens = nn.Embedding(1, 1).to(w)        # unused: embeds are passed (the target's E is shared)
+        eng.lm_head = nn.Linear(1, 1, bias=False).to(w)    # unused: drafting scores lm_rows itself
+        eng.layers = nn.ModuleList([self.block])
+        eng.norm = self.norm
+        eng.inv_freq = self.inv_freq(w.device)
+        eng.pack_weights = model.pack_weights
+        return eng.eval()
+
+    # ---- files -------------------------------------------------------------------------------------------
+    def save(self, path, **meta):
+        """Write module.safetensors + module.json into the folder `path` (bf16 or fp32 as the weights are)."""
+        os.makedirs(path, exist_ok=True)
+        sd = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        if self.token_map is not None:
+            sd["token_map"] = self.token_map.cpu()
+        write_bytes(os.path.join(path, MODULE_FILE), save(sd))
+        fields = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(ModelConfig)}
+        write_json(os.path.join(path, MODULE_META), dict(format=FORMAT, config=fields, draft=self.draft,
+                                                         **{**self.meta, **meta}))
+
+
+def is_module_folder(path):
+    return os.path.isdir(path) and os.path.exists(os.path.join(path, MODULE_META))
+
+
+def load_module(path, device=None, dtype=None, *, check_finite=True):
+    """An MTPModule from a folder written by `MTPModule.save`. Bad files: a ValueError naming the file and field."""
+    meta_file, file = os.path.join(path, MODULE_META), os.path.join(path, MODULE_FILE)
+    for f in (meta_file, file):
+        if not os.path.exists(f):
+            raise ValueError(f"load_module: {f} does not exist (an MTP module folder holds {MODULE_FILE} and "
+                             f"{MODULE_META})")
+    try:
+        meta = json.load(open(meta_file))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"load_module: {meta_file} is not valid JSON: {e}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or not isinstance(meta.get("config"), dict):
+        raise ValueError(f"load_module: {meta_file} must have format {FORMAT!r} and a config object")
+    try:
+        cfg = ModelConfig(**meta["config"])
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"load_module: {meta_file}: config: {e}") from None
+    try:
+        sd = load_file(file)
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for torn files
+        raise ValueError(f"load_module: {file} is not a readable safetensors file: {e}") from None
+    if check_finite:
+        check_finite_tensors(sd, file)
+    token_map = sd.pop("token_map", None)
+    try:
+        m = MTPModule(cfg, token_map, meta.get("draft"))
+    except ValueError as e:
+        raise ValueError(f"load_module: {file}: {e}") from None
+    expected = m.state_dict()
+    bad = sorted(k for k in set(sd) | set(expected) if k not in sd or k not in expected
+                 or sd[k].shape != expected[k].shape)
+    if bad:
+        raise ValueError(f"load_module: {file} does not match {meta_file}'s config: missing, unexpected or "
+                         f"mis-shaped tensors {bad[:5]}")
+    m = m.to(sd["fc.weight"].dtype)                  # the file's dtype first: loading into fp32 would round fp64
+    m.load_state_dict(sd)
+    m.meta = {k: v for k, v in meta.items() if k not in ("format", "config", "draft")}
+    return m.to(device=device, dtype=dtype or sd["fc.weight"].dtype).eval()
+
+
+def load_drafter(path, device=None, dtype=None):
+    """The drafter saved at `path`: an MTP module folder (module.json) -> `load_module`, anything else -> MTP heads
+    (`heads.load_heads`: our heads folder or a Medusa checkpoint). Either goes to generate(heads=...)."""
+    from .heads import load_heads
+    if is_module_folder(path):
+        return load_module(path, device, dtype)
+    return load_heads(path, device, dtype)
