@@ -50,6 +50,7 @@ class Case:
     top_k: int = None
     per_head: bool = None         # fused_draft: one LM head per draft head, lm_head [H, V, D] (else shared [V, D])
     draft_V: int = None           # fused_draft: a draft vocabulary of draft_V rows (lm_head [V', D] + token_map)
+    res_off: bool = None          # fused_draft: the ResBlock switched off (None, None: the MTP module's scores)
     kwargs: tuple = ()            # extra keyword arguments for the launcher, as (name, value) pairs
 
     @property
@@ -57,7 +58,8 @@ class Case:
         parts = [self.launcher, self.model, self.dtype] + [
             f"{k}{v}" for k, v in (("B", self.B), ("T", self.T), ("ctx", self.ctx), ("H", self.H), ("k", self.top_k),
                                    ("V'", self.draft_V))
-            if v is not None] + (["per-head-lm"] if self.per_head else []) + [f"{k}={v}" for k, v in self.kwargs]
+            if v is not None] + (["per-head-lm"] if self.per_head else []) + (["resblock-off"] if self.res_off else [])
+        parts += [f"{k}={v}" for k, v in self.kwargs]
         return " ".join(p for p in parts if p)
 
     def as_dict(self):
@@ -81,8 +83,9 @@ def _run_fused_draft(case):
     V = case.draft_V or m["V"]                                  # lm_head rows: the draft vocabulary's, if any
     lm_head = meta_cuda((H, V, D) if case.per_head else (V, D), dt)
     token_map = meta_cuda((V,), torch.int64) if case.draft_V else None
-    fused_draft(meta_cuda((B, D), dt), meta_cuda((H, D, D), dt), meta_cuda((H, D), dt), lm_head, case.top_k,
-                token_map=token_map, check_values=False, **dict(case.kwargs))
+    res = (None, None) if case.res_off else (meta_cuda((H, D, D), dt), meta_cuda((H, D), dt))
+    fused_draft(meta_cuda((B, D), dt), *res, lm_head, case.top_k, token_map=token_map, check_values=False,
+                **dict(case.kwargs))
 
 
 def _run_tree_attention(case):
@@ -142,7 +145,8 @@ def run_case(case):
 def matrix(quick=False):
     """The cases to audit. quick: one or two per launcher and feature, enough to compile every kernel (incl. the
     split combine, per-head LM heads, a draft vocabulary and a sliding window) for every target; full: models x
-    dtypes x batch 1/8 x tree 1/16/64 x context 512/8192 x heads 4/5, plus per-head LM heads (Medusa Vicuna-7B),
+    dtypes x batch 1/8 x tree 1/16/64 x context 512/8192 x heads 4/5, plus the ResBlock switched off (the MTP module's
+    scores over a draft vocabulary), per-head LM heads (Medusa Vicuna-7B),
     draft vocabularies (SmolLM2 8192 / 49152, Llama-3 32768 / 128256) and Mistral-7B's 4096-token window at 8192."""
     window = (("window", MODELS["mistral-7b"]["W"]),)
     if quick:
@@ -150,6 +154,8 @@ def matrix(quick=False):
             Case("fused_draft", "llama3-8b", "bf16", B=1, H=4, top_k=TOP_K),
             Case("fused_draft", "vicuna-7b", "bf16", B=1, H=5, top_k=TOP_K, per_head=True),
             Case("fused_draft", "smollm2-135m", "bf16", B=1, H=4, top_k=TOP_K, draft_V=DRAFT_VOCABS["smollm2-135m"]),
+            Case("fused_draft", "smollm2-135m", "bf16", B=4, H=1, top_k=8, draft_V=DRAFT_VOCABS["smollm2-135m"],
+                 res_off=True),                                                   # the MTP module's beam scores
             Case("tree_attention", "llama3-8b", "bf16", B=1, T=16, ctx=8192),     # split-KV + combine
             Case("tree_attention", "smollm2-135m", "fp16", B=8, T=64, ctx=512),   # one split, GQA 3
             Case("tree_attention", "mistral-7b", "bf16", B=1, T=16, ctx=8192, kwargs=window),
@@ -163,6 +169,8 @@ def matrix(quick=False):
         if model in DRAFT_VOCABS:
             cases += [Case("fused_draft", model, dtype, B=B, H=H, top_k=TOP_K, draft_V=DRAFT_VOCABS[model])
                       for H in (4, 5)]
+            cases.append(Case("fused_draft", model, dtype, B=B, H=1, top_k=8, draft_V=DRAFT_VOCABS[model],
+                              res_off=True))
         for T, ctx in itertools.product((1, 16, 64), (512, 8192)):
             cases.append(Case("tree_attention", model, dtype, B=B, T=T, ctx=ctx))
             cases.append(Case("kv_append", model, dtype, B=B, T=T, ctx=ctx))

@@ -9,7 +9,8 @@ from .cubin import issue_cycles
 from .hardware import PRODUCTS, SCHEDULERS_PER_SM, products_of
 
 CSV_COLUMNS = [
-    "target", "launcher", "case", "model", "dtype", "B", "T", "ctx", "H", "top_k", "per_head", "draft_V", "kwargs",
+    "target", "launcher", "case", "model", "dtype", "B", "T", "ctx", "H", "top_k", "per_head", "draft_V", "res_off",
+    "kwargs",
     "kernel", "status", "error", "bytes_error",
     "variant", "grid", "programs", "n_splits", "num_warps", "num_stages", "regs", "ptxas_regs", "spill_stores",
     "spill_loads", "stack_frame", "stack_bytes", "local_bytes", "local_ops", "shared_bytes", "shared_limit",
@@ -24,6 +25,7 @@ HEADLINES = [
     "fused_draft llama3-8b bf16 B1 H4 k10", "fused_draft llama2-7b bf16 B8 H5 k10",
     "fused_draft vicuna-7b bf16 B1 H5 k10 per-head-lm", "fused_draft llama3-8b bf16 B1 H4 k10 V'32768",
     "fused_draft smollm2-135m bf16 B1 H4 k10 V'8192", "fused_draft smollm2-135m bf16 B1 H4 k10",
+    "fused_draft smollm2-135m bf16 B4 H1 k8 V'8192 resblock-off",
     "tree_attention llama3-8b bf16 B1 T16 ctx8192", "tree_attention llama2-7b bf16 B8 T64 ctx8192",
     "tree_attention mistral-7b bf16 B1 T16 ctx8192 window=4096",
     "tree_attention smollm2-135m fp16 B8 T64 ctx512",
@@ -144,7 +146,7 @@ def _tc_text(rs):
 def deployment(r):
     """What one deployment fixes: model, dtype, LM-head layout, draft vocabulary and launcher keywords (window).
     Batch, tree size and context change while it serves."""
-    return tuple(str(r.get(k) or "") for k in ("model", "dtype", "per_head", "draft_V", "kwargs"))
+    return tuple(str(r.get(k) or "") for k in ("model", "dtype", "per_head", "draft_V", "res_off", "kwargs"))
 
 
 def kernel_summary(rows, target_order=()):

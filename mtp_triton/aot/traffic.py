@@ -12,9 +12,11 @@ the quantities that live in tensor *values* (cache_lens) and so are not visible 
 
 
 def _resblock(a, case):
-    # reads x [B, D], res_weight [H, D, D], res_bias [H, D]; writes z [B, H, D]: as hi + lo halves (SPLIT_OUT) or fp32
+    # reads x [B, D], res_weight [H, D, D], res_bias [H, D] (not with RES off: z = x); writes z [B, H, D]: as hi + lo
+    # halves (SPLIT_OUT) or fp32
     z = a["z_hi_ptr"].nbytes + (a["z_lo_ptr"].nbytes if a["SPLIT_OUT"] else 0)
-    return a["x_ptr"].nbytes + a["w_ptr"].nbytes + a["b_ptr"].nbytes + z
+    weights = a["w_ptr"].nbytes + a["b_ptr"].nbytes if a.get("RES", True) else 0
+    return a["x_ptr"].nbytes + weights + z
 
 
 def _vocab_tile(a, case):

@@ -190,9 +190,10 @@ def _resblock_kernel(
     x_ptr, w_ptr, b_ptr, z_hi_ptr, z_lo_ptr,  # x [B, D]; w [H, D, D] (out, in); b [H, D]; z_hi, z_lo [B, H, D]
     B, H, D,
     BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_IN: tl.constexpr,
-    SPLIT_OUT: tl.constexpr,
+    SPLIT_OUT: tl.constexpr, RES: tl.constexpr,
 ):
     """z[b, h, n] = x[b, n] + silu(sum_k W_h[n, k] x[b, k] + b_h[n]) for one (head, n-tile, b-tile).
+    RES=False: the ResBlock switched off, z = x (H = 1; w and b are not read): the MTP module's scores.
 
     Computed transposed, z^T tile [BLOCK_N, BLOCK_B] = W_h[n-tile] @ x^T, so the output features fill the MMA's M.
     SPLIT_IN (GPU, fp16/bf16 W): x = hi + lo in W's dtype, two tensor-core dots. Otherwise an fp32 "ieee" dot.
@@ -204,27 +205,29 @@ def _resblock_kernel(
     offs_b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)                      # [BLOCK_B] batch rows
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                      # [BLOCK_N] output features
     mask_b, mask_n = offs_b < B, offs_n < D
-    w_head = w_ptr + pid_h * D * D
-    acc = tl.zeros((BLOCK_N, BLOCK_B), dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < D
-        w = tl.load(w_head + offs_n[:, None] * D + offs_k[None, :],
-                    mask=mask_n[:, None] & mask_k[None, :], other=0.0)                  # [BLOCK_N, BLOCK_K]
-        xt = tl.load(x_ptr + offs_b[None, :] * D + offs_k[:, None],
-                     mask=mask_b[None, :] & mask_k[:, None], other=0.0).to(tl.float32)  # [BLOCK_K, BLOCK_B] = x^T
-        if SPLIT_IN:
-            x_hi = xt.to(w.dtype)
-            x_lo = (xt - x_hi.to(tl.float32)).to(w.dtype)
-            acc = tl.dot(w, x_hi, acc)
-            acc = tl.dot(w, x_lo, acc)
-        else:
-            acc = tl.dot(w.to(tl.float32), xt, acc, input_precision="ieee")
-    bias = tl.load(b_ptr + pid_h * D + offs_n, mask=mask_n, other=0.0).to(tl.float32)  # [BLOCK_N]
-    pre = acc + bias[:, None]
     x_n = tl.load(x_ptr + offs_b[None, :] * D + offs_n[:, None],
                   mask=mask_b[None, :] & mask_n[:, None], other=0.0).to(tl.float32)    # [BLOCK_N, BLOCK_B]
-    z = x_n + pre * tl.sigmoid(pre)                                       # x + silu(pre)
+    z = x_n                                                               # RES=False: z = x
+    if RES:
+        w_head = w_ptr + pid_h * D * D
+        acc = tl.zeros((BLOCK_N, BLOCK_B), dtype=tl.float32)
+        for k0 in range(0, D, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < D
+            w = tl.load(w_head + offs_n[:, None] * D + offs_k[None, :],
+                        mask=mask_n[:, None] & mask_k[None, :], other=0.0)              # [BLOCK_N, BLOCK_K]
+            xt = tl.load(x_ptr + offs_b[None, :] * D + offs_k[:, None],
+                         mask=mask_b[None, :] & mask_k[:, None], other=0.0).to(tl.float32)  # [BLOCK_K, BLOCK_B]
+            if SPLIT_IN:
+                x_hi = xt.to(w.dtype)
+                x_lo = (xt - x_hi.to(tl.float32)).to(w.dtype)
+                acc = tl.dot(w, x_hi, acc)
+                acc = tl.dot(w, x_lo, acc)
+            else:
+                acc = tl.dot(w.to(tl.float32), xt, acc, input_precision="ieee")
+        bias = tl.load(b_ptr + pid_h * D + offs_n, mask=mask_n, other=0.0).to(tl.float32)  # [BLOCK_N]
+        pre = acc + bias[:, None]
+        z = x_n + pre * tl.sigmoid(pre)                                   # x + silu(pre)
     offs_z = (offs_b[None, :] * H + pid_h) * D + offs_n[:, None]          # z[b, h, n]
     mask_z = mask_b[None, :] & mask_n[:, None]
     if SPLIT_OUT:
@@ -419,7 +422,8 @@ def fused_draft(hidden, res_weight, res_bias, lm_head, top_k, *, token_map=None,
     head h:  z_h = x + silu(W_h x + b_h);  logits_h = L_h @ z_h               (Medusa, Cai et al. 2024)
     hidden [B, D]; res_weight [H, D, D]; res_bias [H, D]; lm_head [V, D] (shared: L_h = lm_head) or [H, V, D]
     (one per head: L_h = lm_head[h]); fp16 / bf16 / fp32 / fp64, contiguous. res_weight = res_bias = None: the
-    ResBlock switched off, one "head" with z = x (the MTP module's scores: L x, top-k); no ResBlock launch.
+    ResBlock switched off, one "head" with z = x (the MTP module's scores: L x, top-k; the ResBlock kernel with
+    RES=False only converts x).
     token_map: None, or int64 [V] strictly increasing token ids of a draft vocabulary whose V rows lm_head holds;
     then token_ids = token_map[row] and logprobs are log_softmax over the V draft rows.
     check_values=False skips the checks that read token_map's values (host syncs); shapes are always checked.
@@ -448,20 +452,15 @@ def _fused_draft(hidden, res_weight, res_bias, lm_head, top_k, token_map=None, *
     split = gpu and lm_head.dtype in half
 
     # 1. ResBlocks of all heads: z [B, H, D], fp32, or hi + lo in lm_head's dtype for the tensor-core dots
-    if res_weight is None:                       # the ResBlock off (the MTP module's scores): z = x, no launch
-        z_hi = hidden.float()[:, None, :].contiguous()
-        z_lo = z_hi
-        if split:
-            z_hi = z_hi.to(lm_head.dtype)
-            z_lo = (hidden.float()[:, None, :] - z_hi.float()).to(lm_head.dtype)
-    else:
-        z_hi = _empty((B, H, D), lm_head.dtype if split else torch.float32, device)
-        z_lo = _empty((B, H, D), lm_head.dtype, device) if split else z_hi
-        grid = (H, triton.cdiv(D, cfg["BLOCK_N"]), triton.cdiv(B, cfg["BLOCK_B"]))
-        _resblock_kernel[grid](hidden, res_weight, res_bias, z_hi, z_lo, B, H, D,
-                               BLOCK_B=cfg["BLOCK_B"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-                               SPLIT_IN=gpu and res_weight.dtype in half, SPLIT_OUT=split,
-                               num_warps=cfg["res_warps"], num_stages=cfg["res_stages"])
+    #    (res_weight None: the ResBlock off, z = x, H = 1; w and b are not read, so x stands in for them)
+    res = res_weight is not None
+    z_hi = _empty((B, H, D), lm_head.dtype if split else torch.float32, device)
+    z_lo = _empty((B, H, D), lm_head.dtype, device) if split else z_hi
+    grid = (H, triton.cdiv(D, cfg["BLOCK_N"]), triton.cdiv(B, cfg["BLOCK_B"]))
+    _resblock_kernel[grid](hidden, res_weight if res else hidden, res_bias if res else hidden, z_hi, z_lo, B, H, D,
+                           BLOCK_B=cfg["BLOCK_B"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+                           SPLIT_IN=gpu and res and res_weight.dtype in half, SPLIT_OUT=split, RES=res,
+                           num_warps=cfg["res_warps"], num_stages=cfg["res_stages"])
 
     # 2. split-V: every (row tile, vocab tile, LM head) -> tile max, sum-exp, top-k keys
     NT = triton.cdiv(V, cfg["BLOCK_V"])
