@@ -22,13 +22,13 @@ Verification and acceptance do not change: the drafts are only proposals, so gre
 and sampling keeps the target's distribution whatever the module proposes. Its drafts need not be exact, so the
 module runs the engine's plain (not batch-invariant) step, in bf16 on a CPU that multiplies bf16 natively.
 The scores go through the drafting kernel family with the ResBlock switched off (`fused_draft(x, None, None, ..)`:
-logits = L x, top-k, log-softmax), the bf16 CPU path through `drafters.bf16_draft` the same way.
+logits = L x, top-k, log-softmax); the bf16 CPU path multiplies by the prepacked rows of L and takes a plain top-k.
 """
 import copy
 
 import torch
 
-from .drafters import bf16_draft, native_bf16
+from .drafters import native_bf16
 from .model import PagedKVCache
 from .packed import packed_linear
 from .tree import Tree
@@ -115,8 +115,11 @@ class ModuleDrafter:
 
     def _score(self, x, k):
         """x [n, D] -> (token ids [n, k], log-probabilities over the draft vocabulary [n, k]): L x, top-k."""
-        if self.bf16:
-            ids, logp = bf16_draft(x.to(self.dtype), None, None, self.lm, k, token_map=self.token_map, logprobs=True)
+        if self.bf16:       # L x in bf16 (prepacked); plain top-k: a draft needs no tie rule, only speed
+            logits = (self.lm(x.to(self.dtype)) if callable(self.lm) else x.to(self.dtype) @ self.lm.T).float()
+            top, rows = logits.topk(k, dim=-1)                                      # [n, k]
+            logp = top - torch.logsumexp(logits, -1, keepdim=True)
+            return (rows if self.token_map is None else self.token_map[rows]), logp
         else:
             ids, logp = self.ops.fused_draft(x.contiguous(), None, None, self.lm, k, token_map=self.token_map,
                                              check_values=self.check)

@@ -22,6 +22,7 @@ engine's paged-cache step (`engine`, `drafters_mtp.ModuleDrafter`).
 Files: a folder with module.safetensors (fc, the norms, the block's projections, token_map) and module.json
 (format "mtp_triton.module/1", the block's config fields, the dynamic tree's defaults, free metadata).
 """
+import copy
 import dataclasses
 import json
 import os
@@ -82,6 +83,16 @@ class MTPModule(nn.Module):
             m.fc.weight[:, D:] = torch.eye(D)
             m.norm.weight.copy_(model.norm.weight)
         return m.float()
+
+    def with_draft(self, **settings):
+        """The same module (weights shared, not copied) with other dynamic-tree settings (depth, top_k, beam, nodes):
+        e.g. with_draft(depth=4, top_k=1, beam=1, nodes=5) drafts a chain of 4, MTP-4."""
+        if not set(settings) <= set(DRAFT_DEFAULTS):
+            raise ValueError(f"with_draft: unknown settings {sorted(set(settings) - set(DRAFT_DEFAULTS))}; "
+                             f"use {sorted(DRAFT_DEFAULTS)}")
+        other = copy.copy(self)
+        other.draft = dict(self.draft, **settings)
+        return other
 
     def inputs(self, embed, h, tokens):
         """u = W_fc [enorm(E x); hnorm(h)]: embed [V, D] the target's embedding, h [..., D], tokens [...] -> [..., D]."""

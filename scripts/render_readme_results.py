@@ -255,9 +255,31 @@ def defaults_block(path):
             "rounds differently from our exact mode, hence fewer identical outputs.", ""]
 
 
+def drafters_block(path):
+    """The two drafter families A/B (scripts/drafters_ab.py): per prompt set, the newest commit's rows."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("drafters_ab", os.path.join(ROOT, "scripts", "drafters_ab.py"))
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    rows = []
+    every = _rows(path)
+    for ps in dict.fromkeys(r["prompt_set"] for r in every):
+        rows += _latest([r for r in every if r["prompt_set"] == ps], key="commit")
+    m = rows[0]
+    return [f"**Medusa-style heads vs the MTP module** (`{m['command']}` per prompt set; {_stamp(m)}; "
+            f"smollm2-135m-instruct in {m['dtype']}, {m['threads']} threads, batch 1, greedy, {m['max_new_tokens']} "
+            f"new tokens, each configuration on each prompt in turn; the module's card: "
+            f"`data/smollm2-135m-instruct-mtp/README.md`; rows: `{os.path.relpath(path, ROOT)}`):\n",
+            *ab.summary_lines(rows),
+            "\n`dev_chat` is the tuning split (it chose the default drafter); `heldout_chat` steered nothing; "
+            "`outside_chat` are prompts kept outside the repository. The drafting share is the drafting phase's time "
+            "over the decode time.", ""]
+
+
 def render():
     out = []
     for path, block in (("results/cpu/demo/demo.csv", demo_block), ("results/cpu/defaults/defaults.csv", defaults_block),
+                        ("results/cpu/drafters/drafters.csv", drafters_block),
                         ("results/cpu/eval/eval.csv", eval_block),
                         ("data/smollm2-135m-instruct-heads/records/train_distill.json", heads_block),
                         ("results/cpu/tables/tables.csv", sweep_block), ("results/cpu/prune/prune.csv", prune_block),

@@ -101,7 +101,8 @@ def test_aot_refuses_an_existing_file_as_out_before_compiling(tmp_path):
 
 # ---- atomic writes (issue item 1) -----------------------------------------------------------------------------
 OWNED = ["mtp_triton/train_heads.py", "mtp_triton/corpus.py", "scripts/render_readme_results.py",
-         "data/smollm2-135m-instruct-heads/make_card.py", "data/tiny-stdlib-llama/make_card.py",
+         "data/smollm2-135m-instruct-heads/make_card.py", "data/smollm2-135m-instruct-mtp/make_card.py",
+         "data/tiny-stdlib-llama/make_card.py",
          "data/chat/make_prompts.py", "data/scenarios/make_scenarios.py"] + [
     f"mtp_triton/{d}/{f}" for d in ("training", "aot") for f in sorted(os.listdir(os.path.join(ROOT, "mtp_triton", d)))
     if f.endswith(".py")]

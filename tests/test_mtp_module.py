@@ -163,3 +163,41 @@ def test_load_drafter_recognises_both_formats(model, tmp_path):
     assert isinstance(mt.load_drafter(str(tmp_path / "m")), MTPModule)
     assert isinstance(mt.load_drafter(str(tmp_path / "h")), mt.MTPHeads)
     assert not os.path.exists(tmp_path / "h" / "module.json")
+
+
+def test_the_training_recipe_runs_end_to_end(tmp_path):
+    """`train_heads mtp` on the tiny model: answers file -> hidden-state cache -> a few unrolled steps -> a module
+    folder that loads and decodes losslessly, with its records (curve, accuracy by depth, command)."""
+    from cli_helpers import ROOT, run_cli
+    model_dir = os.path.join(ROOT, "data", "tiny-stdlib-llama")
+    tiny = mt.load_model(model_dir)
+    prompts = [[5, 17, 33, 42, 90, 1], [7, 8, 9, 10], [11, 12, 13, 14, 15], [3, 4], [21, 22, 23]]
+    answers = mt.generate(tiny, prompts, 12, mtp=False).tokens
+    with open(tmp_path / "answers.jsonl", "w") as f:
+        for i, (p, a) in enumerate(zip(prompts, answers)):
+            f.write(json.dumps(dict(id=f"p{i}", mode="greedy", prompt_ids=p, answer_ids=a)) + "\n")
+    out = tmp_path / "module"
+    r = run_cli("train_heads", "mtp", "--model", model_dir, "--answers", tmp_path / "answers.jsonl", "--vocab-from",
+                "", "--work", tmp_path / "work", "--out", out, "--steps", "3", "--batch", "2", "--val-share", "0.2",
+                "--unroll", "2", "--threads", "1", timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    info = json.load(open(out / "records" / "train_mtp.json"))
+    assert info["steps"] == 3 and info["rows"] == 5 and len(info["val_accuracy_by_depth"]) == 4
+    assert info["command"].startswith("python -m mtp_triton train_heads mtp")
+    assert (out / "records" / "train_mtp_curve.csv").exists()
+    mod = mt.load_drafter(str(out))
+    assert isinstance(mod, MTPModule) and mod.meta["recipe"] == "mtp"
+    assert mt.generate(tiny, prompts, 10, heads=mod).tokens == mt.generate(tiny, prompts, 10, mtp=False).tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_module_on_the_gpu_kernels_is_lossless():
+    """The module's path with the Triton kernels (tree_attention and kv_append on its cache, fused_draft with the
+    ResBlock off): greedy output equals serial decoding (fp32: bf16 on a GPU has no batch-invariant mode)."""
+    for dtype in (torch.float32,):
+        gpu = mt.LlamaEngine.from_hf(make_hf("gqa-hd16-v203-untied-L2"), device="cuda", dtype=dtype)
+        mod = random_module(mt.LlamaEngine.from_hf(make_hf("gqa-hd16-v203-untied-L2")), depth=3, top_k=4, beam=2,
+                            nodes=8).to("cuda", dtype)
+        serial = mt.generate(gpu, PROMPTS, 24, mtp=False, kernels="triton").tokens
+        assert mt.generate(gpu, PROMPTS, 24, heads=mod, kernels="triton").tokens == serial

@@ -29,6 +29,7 @@ import torch
 from ..drafters import OracleDrafter
 from ..generate import generate
 from ..model import LlamaEngine, ModelConfig
+from ..mtp_module import MTPModule, is_module_folder
 from ..stats import gpu_energy_j  # noqa: F401  (kept importable as e2e.gpu_energy_j)
 from ..tree import Tree, get_tree
 from .common import EMBEDDED, PROMPTS, ROOT, ensure_writable_dir, env_info, int_at_least, save_rows
@@ -97,6 +98,7 @@ class Target:
     heads_dir: str = None
     eos_token_id: object = None
     random_weights: bool = False
+    module: object = None       # an MTP module (mtp_module.MTPModule) for the same model, when one is shipped
     info: dict = field(default_factory=dict)
 
     @property
@@ -205,18 +207,22 @@ def _smollm2_target(device, n, heads_dir=None):
         raise RuntimeError(f"smollm2: no MTP heads at {hd} (train them: python -m mtp_triton train_heads distill; "
                            "or pass --smollm2-heads <folder>)")
     model, heads, tok = load_bundle(SMOLLM2, hd, str(device))          # on a CPU: bf16 (the demo's choice)
+    md = heads_dir_for(SMOLLM2, "mtp")
+    module = load_bundle(SMOLLM2, md, str(device), drafter="mtp")[1] if heads_dir is None and is_module_folder(
+        md) else None                                                  # the other family, side by side
     rows = pick_prompts(read_prompts(CHAT_PROMPTS), 1)[:n]
     dtype, where = str(model.dtype).replace("torch.", ""), os.path.basename(os.path.normpath(hd))
     return Target("smollm2", model, [encode(tok, r["text"]) for r in rows],
                   f"SmolLM2-135M-Instruct (GGUF Q4_1 dequantised to {dtype}; heads {where})",
-                  heads=heads, heads_dir=hd, eos_token_id=tok.eos_token_id,
+                  heads=heads, heads_dir=hd, eos_token_id=tok.eos_token_id, module=module,
                   info=dict(prompt_ids=[r["id"] for r in rows], prompt_file=os.path.relpath(CHAT_PROMPTS, ROOT)))
 
 
 # ---- drafting sources -------------------------------------------------------------------------------------
 @dataclass
 class Drafting:
-    """Where MTP drafts come from: trained heads, or the synthetic oracle at a per-depth profile."""
+    """Where MTP drafts come from: trained heads, an MTP module (dynamic: it draws its own tree; a "tree" here is
+    a dict of its draft settings, mtp_module.DRAFT_DEFAULTS' keys), or the synthetic oracle at a per-depth profile."""
     label: str
     num_heads: int
     heads: object = None
@@ -228,11 +234,18 @@ class Drafting:
     def synthetic(self):
         return self.profile is not None
 
-    def kwargs(self, truth, vocab_size, offset=0):
-        """generate() keyword arguments for the sequences whose serial continuations are `truth`."""
+    @property
+    def dynamic(self):
+        return isinstance(self.heads, MTPModule)
+
+    def kwargs(self, truth, vocab_size, offset=0, tree=None):
+        """generate() keyword arguments for the sequences whose serial continuations are `truth`, with `tree` (for
+        the MTP module: None for its defaults, or a dict of draft settings)."""
+        if self.dynamic:
+            return dict(heads=self.heads.with_draft(**(tree or {})))
         if self.profile is None:
-            return dict(heads=self.heads)
-        return dict(drafter=OracleDrafter(truth, self.profile, vocab_size, seed=self.seed + offset))
+            return dict(heads=self.heads, tree=tree)
+        return dict(drafter=OracleDrafter(truth, self.profile, vocab_size, seed=self.seed + offset), tree=tree)
 
 
 def heads_drafting(target):
@@ -244,6 +257,10 @@ def heads_drafting(target):
                     heads=target.heads, acc=acc)
 
 
+def module_drafting(target):
+    return Drafting("MTP module", target.module.draft["depth"], heads=target.module)
+
+
 def oracle_drafting(spec, seed=0):
     label, profile = parse_profile(spec)
     return Drafting(f"oracle {label} (SYNTHETIC)", len(profile), profile=profile, acc=oracle_acc(profile),
@@ -253,6 +270,8 @@ def oracle_drafting(spec, seed=0):
 def default_tree(target, drafting, budget=16):
     """The tree a user would get: for trained heads the tree stored with them, else `demo.default_tree` (tuned to
     heads/accuracy.json, else the preset); for the oracle, the best `budget`-node tree for its accuracies."""
+    if drafting.dynamic:
+        return None                             # the MTP module draws its own tree every step
     if not drafting.synthetic and getattr(drafting.heads, "tree", None) is not None:
         return Tree.from_choices(drafting.heads.tree)
     if not drafting.synthetic and target.heads_dir:
@@ -276,8 +295,7 @@ def run_generate(model, prompts, max_new_tokens, *, batch=1, drafting=None, trut
         if drafting is None:
             extra = dict(mtp=False)
         else:
-            extra = dict(tree=tree, **drafting.kwargs(truth[lo: lo + batch] if truth else None,
-                                                      model.config.vocab_size, lo))
+            extra = drafting.kwargs(truth[lo: lo + batch] if truth else None, model.config.vocab_size, lo, tree)
         results.append(generate(model, group, max_new_tokens, **extra, **kw))
     return aggregate(results)
 

@@ -247,7 +247,7 @@ def main(argv=None):
     base = dict(env, run_id=env["timestamp"], **t.row(), max_new_tokens=n, drafter=d.label)
     V = t.model.config.vocab_size
     configs = [("serial", dict(kw, mtp=False)),
-               (f"tree-{tree.size}", lambda i: dict(kw, tree=tree, **d.kwargs(truth[i: i + 1], V, i)))]
+               (f"tree-{tree.size}", lambda i: dict(kw, **d.kwargs(truth[i: i + 1], V, i, tree)))]
     rows = phase_rows(t.model, t.prompts, n, configs, base)
     for name, ckw in configs:
         rows += kernel_rows(t.model, t.prompts, n, name, ckw, base)

@@ -104,6 +104,10 @@ def verify_step_seconds(model, tree, cache_len, kernels="auto", seed=0):
 def sweep_configs(drafting, tree):
     """[(name, tree or None for serial, note)]: serial, MTP-2/4/8 chains (when the heads allow), the default tree."""
     out = [("serial", None, "")]
+    if drafting.dynamic:                    # the MTP module: MTP-n is its own chain (top-1, depth n), then its tree
+        out += [(f"MTP-{n}", dict(depth=n, top_k=1, beam=1, nodes=n + 1), f"the module's chain of {n} (top-1)")
+                for n in CHAINS]
+        return out + [("tree", {}, "the module's dynamic tree (its stored settings)")]
     for n in CHAINS:
         if n <= drafting.num_heads:
             out.append((f"MTP-{n}", Tree.chain(n), f"chain-{n}"))
@@ -158,7 +162,8 @@ def suite_rows(target, draftings, max_new_tokens, *, kernels="auto", hf=True, ph
                 r = e2e.run_generate(model, target.prompts, max_new_tokens, drafting=d, truth=truth, tree=t, **kw)
             sweep[name] = (t, r)
             speedup = r["decode_tokens_per_s"] / serial["decode_tokens_per_s"]
-            rows.append(dict(row, tree_size=r["tree_size"], depth=t.max_depth if t is not None else 0,
+            depth = t.get("depth", d.num_heads) if isinstance(t, dict) else t.max_depth if t is not None else 0
+            rows.append(dict(row, tree_size=r["tree_size"], depth=depth,
                              kernels=r["kernels"], tokens_per_s=r["decode_tokens_per_s"],
                              ms_per_token=1e3 / r["decode_tokens_per_s"], speedup=speedup,
                              speedup_pct=100 * (speedup - 1), tau=r["tokens_per_step"],
@@ -168,14 +173,15 @@ def suite_rows(target, draftings, max_new_tokens, *, kernels="auto", hf=True, ph
                              **roofline_fields(model, r["decode_tokens_per_s"], r["tokens_per_step"])))
             log(f"[{target.suite}] {d.label:28} {name:7} T={r['tree_size']:<3} {r['decode_tokens_per_s']:8.1f} "
                 f"tok/s  x{speedup:.2f}  tau {r['tokens_per_step']:.2f}")
-        rows += analytic_rows(d, sweep, t1, verify_s, dict(base, drafter=d.label, synthetic_drafts=d.synthetic))
+        if not d.dynamic:                   # the analytic model prices fixed trees
+            rows += analytic_rows(d, sweep, t1, verify_s, dict(base, drafter=d.label, synthetic_drafts=d.synthetic))
     d0 = draftings[0]
     if phases:
         tree = e2e.default_tree(target, d0)
         V = model.config.vocab_size
         configs = [("serial", dict(kw, mtp=False)),
                    (f"tree-{tree.size}",
-                    lambda i: dict(kw, tree=tree, **d0.kwargs(truth[i: i + 1] if truth else None, V, i)))]
+                    lambda i: dict(kw, **d0.kwargs(truth[i: i + 1] if truth else None, V, i, tree)))]
         pb = dict(base, drafter=d0.label)
         rows += phase_rows(model, target.prompts, max_new_tokens, configs, pb)
         for name, ckw in configs:
@@ -222,6 +228,8 @@ def suite_setup(target, quick, profiles, max_new_tokens, num_prompts, kernels, h
     """What a suite's rows depend on besides the device, readable: the weights' fingerprints and the settings
     (--resume reuses a suite only for the same setup)."""
     heads = f" heads {fingerprint(target.heads)}" if getattr(target, "heads", None) is not None else ""
+    if getattr(target, "module", None) is not None:
+        heads += f" module {fingerprint(target.module)}"
     return (f"model {fingerprint(target.model)}{heads} quick {quick} profiles {profiles} max_new_tokens "
             f"{max_new_tokens} num_prompts {num_prompts} kernels {kernels} hf {hf}")
 
@@ -269,6 +277,8 @@ def run_tables(out, shapes=("embedded", "llama7b"), *, quick=False, device=None,
             draftings = [e2e.oracle_drafting(p) for p in profiles.split(",") if p.strip()]
         else:
             draftings = [e2e.heads_drafting(target)]
+            if getattr(target, "module", None) is not None:
+                draftings.append(e2e.module_drafting(target))      # the other drafter family, side by side
         new = suite_rows(target, draftings, n, kernels=kernels, hf=hf and extra.get("hf", True),
                          phases=extra.get("phases", True), run_id=run_id, log=log)
         new = [dict(r, suite=shape, setup=setup, **({"command": command} if command else {})) for r in new]

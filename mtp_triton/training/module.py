@@ -16,6 +16,7 @@
 """
 import json
 import os
+import sys
 import time
 
 import torch
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 
 from ..cli import float_in, int_at_least
 from ..generate import causal_chains
-from ..records import write_json
+from ..records import save_torch, write_json
 from .answers import read_jsonl
 from .loop import Loop, LoopConfig, Recorder
 
@@ -167,7 +168,7 @@ def run(args):
         cache = torch.load(cache_file, weights_only=False)
     else:
         cache = build_cache(model, rows, max_len=args.max_len)
-        torch.save(cache, cache_file)
+        save_torch(cache, cache_file)
     t_cache = time.time() - t0
     n_val = max(1, int(len(rows) * args.val_share))
     val_idx, train_idx = list(range(len(rows) - n_val, len(rows))), list(range(len(rows) - n_val))
@@ -181,7 +182,9 @@ def run(args):
     t1 = time.time()
     acc = accuracy(module, model, cache, val_idx, max(args.unroll, 4))
     t_measure = time.time() - t1
-    info = dict(model=args.model, answers=args.answers, rows=len(rows), train_rows=len(train_idx),
+    from ..records import env_info
+    info = dict(env_info(), command="python -m mtp_triton " + " ".join(sys.argv[1:]), model=args.model,
+                answers=args.answers, rows=len(rows), train_rows=len(train_idx),
                 val_rows=n_val, answer_tokens=sum(len(r["answer_ids"]) for r in rows),
                 answers_by=_count(r.get("by", "unrecorded") for r in rows),
                 draft_vocab=None if token_map is None else int(token_map.numel()), steps=steps,

@@ -1,0 +1,151 @@
+"""Render README.md (the MTP module's card) from module.json, records/ and the drafters A/B rows — no number typed
+by hand.
+
+    python data/smollm2-135m-instruct-mtp/make_card.py
+"""
+import csv
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, ROOT)
+
+from mtp_triton.records import write_text  # noqa: E402
+
+AB = os.path.join(ROOT, "results", "cpu", "drafters", "drafters.csv")
+SETS = {"dev_chat": "the tuning split (hand-written chat prompts, data/chat/dev_chat.jsonl)",
+        "heldout_chat": "the held-out chat prompts (data/chat/heldout_chat.jsonl; never used for a choice)",
+        "outside_chat": "12 chat prompts kept outside the repository (written before any result was seen)"}
+
+
+def load(path):
+    with open(os.path.join(HERE, path)) as f:
+        return json.load(f)
+
+
+def ab_rows():
+    if not os.path.exists(AB):
+        return []
+    with open(AB, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def latest(rows):
+    """Per prompt set, the rows of its latest run (by timestamp of the set's last row)."""
+    out = []
+    for ps in dict.fromkeys(r["prompt_set"] for r in rows):
+        mine = [r for r in rows if r["prompt_set"] == ps]
+        last = max(r["commit"] for r in mine[-1:])
+        out += [r for r in mine if r["commit"] == last]
+    return out
+
+
+def per_set(rows):
+    """{prompt set: {configuration: summary}} of the A/B rows."""
+    num = lambda r, k: float(r[k])                                          # noqa: E731
+    res = {}
+    for ps in dict.fromkeys(r["prompt_set"] for r in rows):
+        res[ps] = {}
+        for c in dict.fromkeys(r["config"] for r in rows if r["prompt_set"] == ps):
+            sel = [r for r in rows if r["prompt_set"] == ps and r["config"] == c]
+            steps = sum(num(r, "steps") for r in sel)
+            dec = sum(num(r, "decode_s") for r in sel)
+            rates = [json.loads(r["accept_rate_per_depth"]) for r in sel]
+            depth = max(len(x) for x in rates)
+            acc = [sum(num(r, "steps") * (x[d] if d < len(x) else 0) for r, x in zip(sel, rates)) / steps
+                   for d in range(depth)]
+            res[ps][c] = dict(prompts=len(sel), tok_s=sum(num(r, "new_tokens") - 1 for r in sel) / dec,
+                              tau=sum(num(r, "new_tokens") - 1 for r in sel) / steps, acc=acc,
+                              share=sum(num(r, "draft_s") for r in sel) / dec,
+                              nodes=sum(num(r, "verified_nodes_per_step") * num(r, "steps") for r in sel) / steps,
+                              same=sum(r["identical_to_serial"] == "True" for r in sel), sample=sel[0])
+    return res
+
+
+def main():
+    meta, info = load("module.json"), load(os.path.join("records", "train_mtp.json"))
+    cfg, d = meta["config"], meta["draft"]
+    sec = info["seconds"]
+    lines = [
+        "# MTP module for SmolLM2-135M-Instruct", "",
+        f"One decoder block of SmolLM2's own family (RMSNorm, RoPE attention with {cfg['num_attention_heads']} query "
+        f"and {cfg['num_key_value_heads']} key/value heads, SwiGLU {cfg['intermediate_size']}) over "
+        "fc([RMSNorm(E x_{m+1}); RMSNorm(h_m)]), the target's hidden state and the embedding of the next token, as "
+        "DeepSeek-V3's MTP module (https://arxiv.org/abs/2412.19437, §2.2) and EAGLE's draft model "
+        "(https://arxiv.org/abs/2401.15077); it shares the target's embedding and LM head (scored over a draft "
+        f"vocabulary of {info['draft_vocab']} tokens, the shipped heads' own) and is applied recurrently on its own "
+        f"output and drafted token. {info['params'] / 1e6:.2f} M parameters (the base has 135 M). Decoding draws a "
+        f"dynamic tree every step (EAGLE-2, https://arxiv.org/abs/2406.16858): depth {d['depth']}, the "
+        f"top-{d['top_k']} tokens of each expanded node, the {d['beam']} most probable nodes of each depth expanded, "
+        f"then the {d['nodes'] - 1} most probable drafted nodes (plus the root) kept; on a CPU each step verifies "
+        "the part of them that pays on the machine's measured step costs. Code: `mtp_triton/mtp_module.py`, "
+        "`mtp_triton/drafters_mtp.py`, training `mtp_triton/training/module.py`.", "",
+        "Every number below comes from `records/` (written by the training command), `module.json` and "
+        "`results/cpu/drafters/drafters.csv` (written by `scripts/drafters_ab.py`), rendered by `make_card.py`.", "",
+        "## How it was made", "", "```", info["command"], "```", "",
+        f"- **Machine**: {info['device']}, {info['threads']} threads, torch {info['torch']}, commit {info['commit']}, "
+        f"{info['timestamp']}.",
+        f"- **Data** (self-distillation): the model's own greedy answers to {info['rows']} of the training prompts "
+        f"(the heads' prompt set: templated chat prompts and prompts the model wrote itself; {info['answer_tokens']} "
+        f"answer tokens; written by " + ", ".join(f"{k}: {v}" for k, v in info["answers_by"].items()) +
+        f"). The last {info['val_rows']} answers are held back from training for the accuracy below.",
+        f"- **Training**: frozen base; {info['steps']} steps of {info['config']['batch']} sequences, AdamW lr "
+        f"{info['config']['lr']}, the recurrence unrolled {info['config']['unroll']} steps (EAGLE-3's training-time "
+        f"test, weights 0.8^k), loss = soft cross-entropy against the target's own next-token distribution over the "
+        f"draft vocabulary + {info['config']['feature_weight']} × SmoothL1 to the target's hidden state (EAGLE-1).",
+        f"- **Time** (wall clock): hidden-state cache {sec['cache'] / 60:.1f} min, training {sec['train'] / 60:.1f} "
+        f"min, accuracy {sec['measure'] / 60:.1f} min; the answers were written before, by "
+        "`mtp_triton/training/answers.py`, while this module's code was written (not counted).", "",
+        "![training curve](records/train_mtp_curve.png)", "",
+        "## Accuracy by depth (teacher-forced, held-back answers)", "",
+        "Top-1 of unroll step k = the answer's token, given the k drafts before it were the answer's own: the "
+        "chance that depth k + 1 of a chain is accepted once the depths above it were.", "",
+        "| depth | " + " | ".join(str(i + 1) for i in range(len(info["val_accuracy_by_depth"]))) + " |",
+        "|---|" + "---|" * len(info["val_accuracy_by_depth"]),
+        "| top-1 | " + " | ".join(f"{100 * a:.1f} %" for a in info["val_accuracy_by_depth"]) + " |", ""]
+    rows = latest(ab_rows())
+    if rows:
+        s0 = rows[0]
+        lines += ["## Decoding, measured (greedy, batch 1, bf16)", "",
+                  f"`{s0['command']}` on {s0['device']}, {s0['threads']} threads, torch {s0['torch']}, commit "
+                  f"{s0['commit']}, {s0['max_new_tokens']} new tokens. Every prompt runs every configuration in turn. "
+                  "Acceptance at depth d: the share of steps that accept at least d drafts.", "",
+                  "| prompts | configuration | decode tok/s | vs our serial | vs transformers | τ | acceptance by "
+                  "depth | nodes verified / step | drafting share | identical to serial |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        table = per_set(rows)
+        for ps, t in table.items():
+            for c, s in t.items():
+                acc = " / ".join(f"{100 * a:.0f}" for a in s["acc"][:7]) + " %" if c.startswith("mtp") else "–"
+                share = f"{100 * s['share']:.0f} %" if c.startswith("mtp") else "–"
+                lines.append(f"| {ps} ({s['prompts']}) | {c} | {s['tok_s']:.1f} | "
+                             f"{s['tok_s'] / t['serial']['tok_s']:.2f}× | "
+                             f"{s['tok_s'] / t['transformers generate']['tok_s']:.2f}× | {s['tau']:.2f} | {acc} | "
+                             f"{s['nodes']:.1f} | {share} | {s['same']}/{s['prompts']} |")
+        lines += [""] + [f"- {ps}: {SETS.get(ps, ps)}" for ps in table] + [""]
+        goal_rows = [(ps, t["mtp: module"]) for ps, t in table.items() if "mtp: module" in t]
+        if goal_rows:
+            lines += ["## Goals (the issue that asked for this module)", "",
+                      "| goal | " + " | ".join(ps for ps, _ in goal_rows) + " |",
+                      "|---|" + "---|" * len(goal_rows)]
+            checks = [("τ ≥ 3.0 (≤ 32 nodes verified)", lambda s, t: (f"{s['tau']:.2f}", s["tau"] >= 3.0)),
+                      ("depth-1 acceptance ≥ 80 %", lambda s, t: (f"{100 * s['acc'][0]:.0f} %", s["acc"][0] >= 0.8)),
+                      ("drafting ≤ 25 % of a step", lambda s, t: (f"{100 * s['share']:.0f} %", s["share"] <= 0.25)),
+                      ("≥ 1.8× our serial, identical output", lambda s, t: (
+                          f"{s['tok_s'] / t['serial']['tok_s']:.2f}×, {s['same']}/{s['prompts']}",
+                          s["tok_s"] / t["serial"]["tok_s"] >= 1.8 and s["same"] == s["prompts"]))]
+            for name, fn in checks:
+                cells = []
+                for ps, s in goal_rows:
+                    text, ok = fn(s, table[ps])
+                    cells.append(f"{text} ({'met' if ok else 'not met'})")
+                lines.append(f"| {name} | " + " | ".join(cells) + " |")
+            lines.append("")
+    write_text(os.path.join(HERE, "README.md"), "\n".join(lines))
+    print(f"wrote {os.path.join(HERE, 'README.md')}")
+
+
+if __name__ == "__main__":
+    main()
