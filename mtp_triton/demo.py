@@ -25,7 +25,7 @@ from .bench.hf_baseline import hf_twin, time_hf
 from .bench.roofline import roofline_fields
 from .cli import error, float_in, int_at_least
 from .generate import RuntimeConfig, generate
-from .mtp_module import MTPModule, load_drafter
+from .mtp_module import MTPModule, is_module_folder, load_drafter
 from .loading import load_model, load_tokenizer
 from .sampling import check_seed, check_temperature
 from .stats import format_tau
@@ -35,13 +35,25 @@ SMOLLM2 = "smollm2-135m-instruct"
 HEADS = {SMOLLM2: os.path.join(ROOT, "data", "smollm2-135m-instruct-heads")}
 MODULES = {SMOLLM2: os.path.join(ROOT, "data", "smollm2-135m-instruct-mtp")}
 DRAFTERS = ("medusa", "mtp")                               # --drafter: MTP heads, or the MTP module
-DEFAULT_DRAFTER = "medusa"
+# the command lines' default where a model has both: the one measured faster on the tuning split (dev_chat; the
+# MTP module's card and the README's drafter table); a model with heads only gets its heads
+DEFAULT_DRAFTER = "mtp"
 CHAT_PROMPTS = os.path.join(ROOT, "data", "chat", "heldout_chat.jsonl")
 TREE_NAMES = ("stored", "auto", "tuned")                   # besides the presets (mtp_triton.tree.PRESETS)
 PROBABILITY = float_in(0.0, 1.0, low_open=True)            # argparse type of --prune-below
 
 
-def heads_dir_for(model, drafter=DEFAULT_DRAFTER):
+def cli_drafter(model, arg, heads=None):
+    """--drafter as given; else the kind of the --heads folder given; else DEFAULT_DRAFTER where this model has one
+    of that kind, else its heads."""
+    if arg is not None:
+        return arg
+    if heads is not None:
+        return "mtp" if is_module_folder(heads) else "medusa"
+    return DEFAULT_DRAFTER if is_module_folder(heads_dir_for(model, DEFAULT_DRAFTER)) else "medusa"
+
+
+def heads_dir_for(model, drafter="medusa"):
     """Where a model's drafter lives: the registry for short names (heads, or the MTP module for drafter 'mtp'),
     else <model folder>/heads or <model folder>/mtp."""
     if drafter not in DRAFTERS:
@@ -50,7 +62,7 @@ def heads_dir_for(model, drafter=DEFAULT_DRAFTER):
     return table.get(model, os.path.join(model, sub))
 
 
-def load_bundle(model=SMOLLM2, heads=None, device=None, dtype=None, drafter=DEFAULT_DRAFTER):
+def load_bundle(model=SMOLLM2, heads=None, device=None, dtype=None, drafter="medusa"):
     """(model, drafter: MTP heads or an MTP module, tokenizer). heads: the drafter's folder (default: the model's
     shipped one of kind `drafter`). dtype None: bf16 on CPU for the GGUF model (the engine's exact mode keeps MTP
     identical to serial there), the checkpoint's dtype otherwise."""
@@ -259,8 +271,8 @@ def demo(argv=None):
     ap = argparse.ArgumentParser(prog="python -m mtp_triton demo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=SMOLLM2, help="a short name, a checkpoint folder or a .gguf file")
-    ap.add_argument("--drafter", default=DEFAULT_DRAFTER, choices=DRAFTERS, help="medusa: MTP heads; mtp: the MTP "
-                    f"module (one block, dynamic tree); default {DEFAULT_DRAFTER}")
+    ap.add_argument("--drafter", default=None, choices=DRAFTERS, help="medusa: MTP heads; mtp: the MTP module (one "
+                    f"block, dynamic tree); default {DEFAULT_DRAFTER} where the model has one, else medusa")
     ap.add_argument("--heads", default=None, help="the drafter's folder (default: the model's shipped heads or module)")
     ap.add_argument("--prompts", default=None, help="JSONL with 'text' (and 'category'); default: held-out chat "
                     "prompts for chat models, held-out code for the tiny model")
@@ -281,6 +293,7 @@ def demo(argv=None):
         given = read_prompts(a.prompts) if a.prompts else None
         ensure_writable_dir(a.out)
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[a.dtype]
+        a.drafter = cli_drafter(a.model, a.drafter, a.heads)
         model, heads, tok = load_bundle(a.model, a.heads, a.device, dtype, a.drafter)
         heads_dir = a.heads or heads_dir_for(a.model, a.drafter)
         chat = bool(getattr(tok, "chat_template", None))
@@ -399,7 +412,8 @@ def text_generate(argv=None):
     ap = argparse.ArgumentParser(prog="python -m mtp_triton generate")
     ap.add_argument("--prompt", required=True)
     ap.add_argument("--model", default=SMOLLM2)
-    ap.add_argument("--drafter", default=DEFAULT_DRAFTER, choices=DRAFTERS, help="medusa (heads) or mtp (the module)")
+    ap.add_argument("--drafter", default=None, choices=DRAFTERS, help="medusa (heads) or mtp (the module); default "
+                    f"{DEFAULT_DRAFTER} where the model has one, else medusa")
     ap.add_argument("--heads", default=None, help="the drafter's folder (default: the model's shipped one)")
     ap.add_argument("--raw", action="store_true", help="don't wrap the prompt in the chat template")
     ap.add_argument("--max-new-tokens", type=int_at_least(1), default=128)
@@ -424,6 +438,7 @@ def text_generate(argv=None):
         check_temperature(a.temperature, a.top_p)
         check_seed(a.seed)
         check_tree_name(a.tree)
+        a.drafter = cli_drafter(a.model, a.drafter, a.heads)
         model, heads, tok = load_bundle(a.model, a.heads, a.device, dtype, a.drafter)
         tree = pick_tree(a.tree, heads, a.heads or heads_dir_for(a.model, a.drafter), model, a.kernels)
         ids = tok(a.prompt)["input_ids"] if a.raw else encode(tok, a.prompt)

@@ -47,9 +47,11 @@ def demo_block(path):
     m = [r for r in rows if r["mode"] == "mtp"][0]
     rel = os.path.relpath(path, ROOT)
     peer = any(r["mode"] == "transformers" for r in rows)
+    drafter = m.get("drafter") or "medusa"              # rows written before the MTP module shipped: the heads
+    what = (f"the MTP module and its dynamic tree of at most {m['tree_size']} nodes" if drafter == "mtp" else
+            f"the heads (`--drafter medusa`) and their tree of {m['tree_size']} nodes")
     out = [f"**Main demo** (`{m['command']}`; {_stamp(m)}; {m['model']}, {m['dtype']}, {m['threads']} threads, "
-           f"batch 1, up to {m['max_new_tokens']} new tokens, kernels {m['kernels']}, the heads' tree of "
-           f"{m['tree_size']} nodes; rows: `{rel}`):\n"]
+           f"batch 1, up to {m['max_new_tokens']} new tokens, kernels {m['kernels']}, {what}; rows: `{rel}`):\n"]
     if peer:
         out += ["| category | prompts | transformers decode tok/s | our serial decode tok/s | MTP decode tok/s | "
                 "MTP vs serial | MTP vs transformers | τ | MTP identical to serial | transformers identical to serial |",
@@ -266,7 +268,8 @@ def drafters_block(path):
     for ps in dict.fromkeys(r["prompt_set"] for r in every):
         rows += _latest([r for r in every if r["prompt_set"] == ps], key="commit")
     m = rows[0]
-    return [f"**Medusa-style heads vs the MTP module** (`{m['command']}` per prompt set; {_stamp(m)}; "
+    cmds = "; ".join(dict.fromkeys(f"`{r['command']}`" for r in rows))
+    return [f"**Medusa-style heads vs the MTP module** ({cmds}; {_stamp(m)}; "
             f"smollm2-135m-instruct in {m['dtype']}, {m['threads']} threads, batch 1, greedy, {m['max_new_tokens']} "
             f"new tokens, each configuration on each prompt in turn; the module's card: "
             f"`data/smollm2-135m-instruct-mtp/README.md`; rows: `{os.path.relpath(path, ROOT)}`):\n",

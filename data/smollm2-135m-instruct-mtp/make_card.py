@@ -17,7 +17,8 @@ from mtp_triton.records import write_text  # noqa: E402
 AB = os.path.join(ROOT, "results", "cpu", "drafters", "drafters.csv")
 SETS = {"dev_chat": "the tuning split (hand-written chat prompts, data/chat/dev_chat.jsonl)",
         "heldout_chat": "the held-out chat prompts (data/chat/heldout_chat.jsonl; never used for a choice)",
-        "outside_chat": "12 chat prompts kept outside the repository (written before any result was seen)"}
+        "outside_chat": "chat prompts kept outside the repository, written before any result was seen (12 written, "
+                        "the first of each category run)"}
 
 
 def load(path):
@@ -81,7 +82,9 @@ def main():
         f"top-{d['top_k']} tokens of each expanded node, the {d['beam']} most probable nodes of each depth expanded, "
         f"then the {d['nodes'] - 1} most probable drafted nodes (plus the root) kept; on a CPU each step verifies "
         "the part of them that pays on the machine's measured step costs. Code: `mtp_triton/mtp_module.py`, "
-        "`mtp_triton/drafters_mtp.py`, training `mtp_triton/training/module.py`.", "",
+        "`mtp_triton/drafters_mtp.py`, training `mtp_triton/training/module.py`."
+        + (f" The stored tree settings were chosen on the tuning split only: {meta['draft_choice']}."
+           if meta.get("draft_choice") else ""), "",
         "Every number below comes from `records/` (written by the training command), `module.json` and "
         "`results/cpu/drafters/drafters.csv` (written by `scripts/drafters_ab.py`), rendered by `make_card.py`.", "",
         "## How it was made", "", "```", info["command"], "```", "",
@@ -108,10 +111,12 @@ def main():
     rows = latest(ab_rows())
     if rows:
         s0 = rows[0]
+        cmds = {r["prompt_set"]: (r["command"], r["commit"]) for r in rows}
         lines += ["## Decoding, measured (greedy, batch 1, bf16)", "",
-                  f"`{s0['command']}` on {s0['device']}, {s0['threads']} threads, torch {s0['torch']}, commit "
-                  f"{s0['commit']}, {s0['max_new_tokens']} new tokens. Every prompt runs every configuration in turn. "
-                  "Acceptance at depth d: the share of steps that accept at least d drafts.", "",
+                  f"On {s0['device']}, {s0['threads']} threads, torch {s0['torch']}, {s0['max_new_tokens']} new tokens; "
+                  "every prompt runs every configuration in turn. Acceptance at depth d: the share of steps that "
+                  "accept at least d drafts. Commands (commit):", ""]
+        lines += [f"- `{c}` ({k})" for c, k in cmds.values()] + ["",
                   "| prompts | configuration | decode tok/s | vs our serial | vs transformers | τ | acceptance by "
                   "depth | nodes verified / step | drafting share | identical to serial |",
                   "|---|---|---|---|---|---|---|---|---|---|"]

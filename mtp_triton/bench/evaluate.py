@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cli import error, run
-from ..demo import DEFAULT_DRAFTER, DRAFTERS, SMOLLM2, heads_dir_for, load_bundle
+from ..demo import DEFAULT_DRAFTER, DRAFTERS, SMOLLM2, cli_drafter, heads_dir_for, load_bundle
 from ..generate import RuntimeConfig
 from ..loading import SHORT_NAMES
 from ..sampling import check_temperature
@@ -194,8 +194,8 @@ def build_parser():
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=SMOLLM2, help=f"a short name ({', '.join(SHORT_NAMES)}), a checkpoint folder "
                     f"(config.json + *.safetensors + tokenizer) or a .gguf file; default {SMOLLM2}")
-    ap.add_argument("--drafter", default=DEFAULT_DRAFTER, choices=DRAFTERS, help="medusa: MTP heads; mtp: the MTP "
-                    f"module (one block, a dynamic tree each step); default {DEFAULT_DRAFTER}")
+    ap.add_argument("--drafter", default=None, choices=DRAFTERS, help="medusa: MTP heads; mtp: the MTP module (one "
+                    f"block, a dynamic tree each step); default {DEFAULT_DRAFTER} where the model has one, else medusa")
     ap.add_argument("--heads", default=None, help="the drafter's folder (default: the model's shipped heads or module; "
                     "<folder>/heads or <folder>/mtp for a checkpoint folder)")
     ap.add_argument("--tree", default="stored", help="'stored' (saved with the heads, else tuned), 'auto' (tuned now "
@@ -271,6 +271,7 @@ def _main(a, argv):
     missing = _model_missing(a.model)
     if missing:
         return error(missing)
+    a.drafter = cli_drafter(a.model, a.drafter, a.heads)
     heads_dir = a.heads or heads_dir_for(a.model, a.drafter)
     if not os.path.exists(heads_dir):
         recipe = "mtp" if a.drafter == "mtp" else "distill"

@@ -102,8 +102,8 @@ def build_parser():
     ap = argparse.ArgumentParser(prog="python -m mtp_triton prune", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (as the demo)")
-    ap.add_argument("--drafter", default="medusa", choices=["medusa", "mtp"], help="medusa: MTP heads; mtp: the MTP "
-                    "module (a dynamic tree each step, pruned by its own path probabilities)")
+    ap.add_argument("--drafter", default=None, choices=["medusa", "mtp"], help="medusa: MTP heads; mtp: the MTP "
+                    "module (a dynamic tree each step, pruned by its own path probabilities); default as the demo's")
     ap.add_argument("--heads", default=None, help="the drafter's folder (default: the model's shipped heads or module)")
     ap.add_argument("--prompts", default="chat", help="'chat', 'templated' or a JSONL file with 'text' (and "
                     "'category')")
@@ -149,7 +149,9 @@ def main(argv=None):
 
 
 def _run(a, argv, thresholds, prompts):
-    from ..demo import describe_drafter, encode, heads_dir_for, load_bundle, pick_prompts, pick_tree, tree_size
+    from ..demo import cli_drafter, describe_drafter, encode, heads_dir_for, load_bundle, pick_prompts, pick_tree, \
+        tree_size
+    a.drafter = cli_drafter(a.model, a.drafter, a.heads)
     try:
         model, heads, tok = load_bundle(a.model, a.heads, drafter=a.drafter)
         tree = pick_tree(a.tree, heads, a.heads or heads_dir_for(a.model, a.drafter), model, a.kernels)
