@@ -89,11 +89,13 @@ def write_report(result, path, command=""):
          f"- torch {r0.get('torch')}, triton {r0.get('triton')}, python {r0.get('python')}, commit {r0.get('commit')}, "
          f"{r0.get('timestamp')}, run {r0.get('run_id')}",
          f"- model: {info['model_name'] + ', ' if info.get('model_name') else ''}{info['model_bytes'] / 2**20:.1f} MiB "
-         f"of weights ({info['dtype']}), context {info['context']}; {info['num_heads']} heads "
-         f"({info['heads_bytes'] / 2**20:.2f} MiB)",
+         f"of weights ({info['dtype']}), context {info['context']}; "
+         + ("the MTP module" if info.get("drafter") == "mtp" else f"{info['num_heads']} heads")
+         + f" ({info['heads_bytes'] / 2**20:.2f} MiB)",
          f"- scenarios: {info['scenario_dir']} ({', '.join(info['scenarios'])}; {form})" if info.get("scenario_dir")
          else "",
-         f"- tree: {info['tree']} ({info['tree_size']} nodes, depth {info['tree_depth']}); kernels {info['kernels']}; "
+         ("- tree: dynamic (at most " if info.get("drafter") == "mtp" else f"- tree: {info['tree']} (")
+         + f"{info['tree_size']} nodes, depth {info['tree_depth']}); kernels {info['kernels']}; "
          f"temperature {info['temperature']}, top-p {info['top_p']}",
          f"- command: `{command}`" if command else "",
          f"- resumed (--resume): {info['kept_rows']} rows kept from earlier runs of this configuration"
