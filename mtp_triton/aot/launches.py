@@ -154,8 +154,8 @@ def matrix(quick=False):
             Case("fused_draft", "llama3-8b", "bf16", B=1, H=4, top_k=TOP_K),
             Case("fused_draft", "vicuna-7b", "bf16", B=1, H=5, top_k=TOP_K, per_head=True),
             Case("fused_draft", "smollm2-135m", "bf16", B=1, H=4, top_k=TOP_K, draft_V=DRAFT_VOCABS["smollm2-135m"]),
-            Case("fused_draft", "smollm2-135m", "bf16", B=4, H=1, top_k=8, draft_V=DRAFT_VOCABS["smollm2-135m"],
-                 res_off=True),                                                   # the MTP module's beam scores
+            Case("fused_draft", "smollm2-135m", "bf16", B=1, H=1, top_k=8, draft_V=DRAFT_VOCABS["smollm2-135m"],
+                 res_off=True),                                                   # the MTP module's scores
             Case("tree_attention", "llama3-8b", "bf16", B=1, T=16, ctx=8192),     # split-KV + combine
             Case("tree_attention", "smollm2-135m", "fp16", B=8, T=64, ctx=512),   # one split, GQA 3
             Case("tree_attention", "mistral-7b", "bf16", B=1, T=16, ctx=8192, kwargs=window),

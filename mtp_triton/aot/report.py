@@ -25,7 +25,7 @@ HEADLINES = [
     "fused_draft llama3-8b bf16 B1 H4 k10", "fused_draft llama2-7b bf16 B8 H5 k10",
     "fused_draft vicuna-7b bf16 B1 H5 k10 per-head-lm", "fused_draft llama3-8b bf16 B1 H4 k10 V'32768",
     "fused_draft smollm2-135m bf16 B1 H4 k10 V'8192", "fused_draft smollm2-135m bf16 B1 H4 k10",
-    "fused_draft smollm2-135m bf16 B4 H1 k8 V'8192 resblock-off",
+    "fused_draft smollm2-135m bf16 B1 H1 k8 V'8192 resblock-off",
     "tree_attention llama3-8b bf16 B1 T16 ctx8192", "tree_attention llama2-7b bf16 B8 T64 ctx8192",
     "tree_attention mistral-7b bf16 B1 T16 ctx8192 window=4096",
     "tree_attention smollm2-135m fp16 B8 T64 ctx512",
