@@ -32,20 +32,17 @@ def bf16_draft(hidden, res_weight, res_bias, lm_head, top_k, *, token_map=None, 
     then the top-k rows by descending logit, ties to the lower row — exactly what `training.distill.head_ranks`
     computes, so the training's simulated tau is what this path decodes with. res_weight may also be H row-wise
     functions x -> W_h x and lm_head one z -> L z (`packed.packed_linear`: the same weights prepacked, the same
-    bits); res_weight = res_bias = None switches the ResBlock off (one "head", z = x). The PyTorch twin
+    bits). The PyTorch twin
     (`reference.fused_draft`, the Triton kernel's specification) computes in fp32 instead; on this CPU that costs
     1-3 ms per call for an 8192-row draft vocabulary against ~0.3 ms here, and a drafter that draft tree-node by
     tree-node calls it once per depth. Drafts only steer speed: verification decides every token.
     -> token_ids [B, H, top_k], and with logprobs=True log_softmax(logits_h) at those rows [B, H, top_k] float32
     (else None)."""
-    if res_weight is None:                                  # the ResBlock switched off: z = x (the MTP module)
-        z = hidden[:, None, :]
-    elif isinstance(res_weight, torch.Tensor):
+    if isinstance(res_weight, torch.Tensor):
         pre = torch.einsum("bd,hed->bhe", hidden, res_weight) + res_bias                 # [B, H, D]
     else:                                                   # H row-wise functions: the same weights, prepacked
         pre = torch.stack([f(hidden) for f in res_weight], 1) + res_bias
-    if res_weight is not None:
-        z = hidden[:, None, :] + F.silu(pre)
+    z = hidden[:, None, :] + F.silu(pre)
     if callable(lm_head):
         logits = lm_head(z)                                                              # [B, H, V]
     else:
@@ -97,8 +94,7 @@ class HeadsDrafter:
         # prepacked where packing applies (packed.py; bf16: the same bits, 3-10x faster for a few rows)
         bf16 = self.fused_draft is bf16_draft
         self.res_rows = [_rows_fn(w) for w in self.res_weight] if bf16 else self.res_weight
-        self.lm_rows = packed_linear(self.lm_head) if bf16 and self.lm_head.dim() == 2 else None
-        self.lm_rows = self.lm_rows or self.lm_head
+        self.lm_rows = (bf16 and self.lm_head.dim() == 2 and packed_linear(self.lm_head)) or self.lm_head
         # heads with root input read x' = x + P e_root (heads.py); the kernel is handed x'
         self.root_proj = None if heads.root_proj is None else heads.root_proj.detach().to(dev, dt).contiguous()
         # heads with token inputs also read the drafted tokens of their path: s_h = x' + sum_q Q_q e(y_{h-q})
