@@ -8,26 +8,20 @@ interpreter), call `mtp_triton.use_interpreter()` first.
 from . import reference
 from .generate import GenerateResult, RuntimeConfig, generate
 from .stats import GenerateStats
-from .kernels import use_interpreter
+from .kernels import KERNELS, launcher, use_interpreter
 from .heads import MTPHeads, init_heads, load_heads
 from .loading import load_model, load_tokenizer
 from .model import LlamaEngine, ModelConfig
 from .mtp_module import MTPModule, load_drafter, load_module
 from .tree import PRESETS, Tree, get_tree
-from .version import package_hash
-
-_KERNELS = {"fused_draft": "drafting", "tree_attention": "tree_attention", "tree_accept": "accept",
-            "tree_accept_sample": "accept", "kv_append": "kv_append"}
-
+from .version import __version__, package_hash  # noqa: F401  (__version__: the package version)
 
 def __getattr__(name):
-    if name in _KERNELS:
-        import importlib
-        return getattr(importlib.import_module(f".kernels.{_KERNELS[name]}", __name__), name)
+    if name in KERNELS:
+        return launcher(name)
     raise AttributeError(f"module 'mtp_triton' has no attribute {name!r}")
 
 
 __all__ = ["reference", "generate", "GenerateResult", "GenerateStats", "RuntimeConfig", "MTPHeads", "init_heads",
            "load_heads", "LlamaEngine", "ModelConfig", "load_model", "load_tokenizer", "Tree", "PRESETS", "get_tree",
-           "use_interpreter", "package_hash", "MTPModule", "load_module", "load_drafter", *_KERNELS]
-__version__ = "0.1.0"
+           "use_interpreter", "package_hash", "MTPModule", "load_module", "load_drafter", *KERNELS]

@@ -17,83 +17,14 @@ layer: each node attends to the whole cache plus its ancestors (`tree_attention`
 per-step tree buffers k_tree/v_tree [L, B, T, Hkv, Dh]; `kv_append` later copies the accepted ones.
 """
 import math
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from . import invariant
+from .config import ROPE_TYPES, ModelConfig  # noqa: F401  (ModelConfig: public here too)
 from .packed import packed_layers
-
-ROPE_TYPES = ("default", "linear", "llama3")
-
-
-@dataclass
-class ModelConfig:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: dict = field(default_factory=dict)   # {} = default RoPE; rope_type "llama3" | "linear"
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False         # bias on q, k, v and o (Llama's attention_bias, Qwen3's)
-    qkv_bias: bool = False               # bias on q, k, v only (Qwen2)
-    qk_norm: bool = False                # RMSNorm(head_dim) on q and k before RoPE (Qwen3)
-    sliding_window: int = None           # None = full attention
-    layer_types: tuple = None            # per layer "full_attention" | "sliding_attention"; None = all slide
-    mlp_bias: bool = False
-    eos_token_id: object = None
-    model_type: str = "llama"
-
-    def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "max_position_embeddings"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                             f"num_key_value_heads ({self.num_key_value_heads}) (GQA)")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
-        for name in ("rms_norm_eps", "rope_theta"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise ValueError(f"{name} must be a positive number, got {v!r}")
-        kind = (self.rope_scaling or {}).get("rope_type", "default")
-        if kind not in ROPE_TYPES:
-            raise ValueError(f"unsupported rope_type {kind!r} (supported: {', '.join(ROPE_TYPES)})")
-        w = self.sliding_window
-        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
-            raise ValueError(f"sliding_window must be None or a positive int, got {w!r}")
-        if self.layer_types is not None:
-            self.layer_types = tuple(self.layer_types)
-            if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= {
-                    "full_attention", "sliding_attention"}:
-                raise ValueError(f"layer_types must list 'full_attention' or 'sliding_attention' for each of the "
-                                 f"{self.num_hidden_layers} layers, got {list(self.layer_types)}")
-
-    def window(self, layer):
-        """The sliding window of `layer` (None: the layer sees the whole cache)."""
-        if self.sliding_window is None:
-            return None
-        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
-            return None
-        return self.sliding_window
-
-    @classmethod
-    def from_hf(cls, d, source="config"):
-        """From a Hugging Face config dict (transformers 4.x/5.x spellings); see `loading.config_from_hf`."""
-        from .loading import config_from_hf
-        return config_from_hf(d, source)
-
 
 def rope_inv_freq(cfg):
     """Inverse frequencies [Dh / 2] (fp32, as transformers computes them) incl. Llama-3 / linear scaling."""
@@ -337,10 +268,3 @@ class LlamaEngine(nn.Module):
         return cls.from_state_dict(cfg, hf_model.state_dict(), device=device or p.device, dtype=dtype or p.dtype,
                                    source=type(hf_model).__name__)
 
-
-def __getattr__(name):
-    """`load_model` / `load_tokenizer` live in `mtp_triton.loading`; they stay importable from here."""
-    if name in ("load_model", "load_tokenizer"):
-        from . import loading
-        return getattr(loading, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

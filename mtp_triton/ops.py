@@ -6,8 +6,9 @@ same signatures, so swapping them changes nothing but speed (and fp rounding).
 from types import SimpleNamespace
 
 from . import reference
+from .kernels import KERNELS, interpreter_enabled, launcher
 
-NAMES = ("fused_draft", "tree_attention", "tree_accept", "tree_accept_sample", "kv_append")
+NAMES = tuple(KERNELS)
 
 
 def torch_ops():
@@ -15,15 +16,11 @@ def torch_ops():
 
 
 def triton_ops(device="cuda"):
-    from .kernels import interpreter_enabled
     if not str(device).startswith("cuda") and not interpreter_enabled():
         raise RuntimeError(f"kernels='triton' on {device}: without CUDA the Triton kernels run only in Triton's "
                            "interpreter; call mtp_triton.use_interpreter() (or set TRITON_INTERPRET=1) before "
                            "importing any kernel, or use kernels='torch'")
-    from .kernels import accept, drafting, kv_append, tree_attention
-    return SimpleNamespace(kind="triton", fused_draft=drafting.fused_draft,
-                           tree_attention=tree_attention.tree_attention, tree_accept=accept.tree_accept,
-                           tree_accept_sample=accept.tree_accept_sample, kv_append=kv_append.kv_append)
+    return SimpleNamespace(kind="triton", **{n: launcher(n) for n in NAMES})
 
 
 def get_ops(kernels="auto", device="cpu"):

@@ -375,3 +375,11 @@ def output_lock(folder, what="this output folder"):
         yield folder
     finally:
         os.close(fd)                                               # closing the descriptor releases the lock
+
+
+def md_table(header, rows, cell=str):
+    """A markdown table (lines joined by newlines, no trailing one): the header, the |---| rule, one line per row with
+    every cell through `cell`. The one table writer of the reports, the README renderer and the cards."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)

@@ -175,17 +175,60 @@ def default_tree(num_heads=None):
     return Tree.from_accuracies(TYPICAL_ACC[:num_heads], DEFAULT_BUDGET)
 
 
-def get_tree(tree, num_heads=None):
-    """A Tree from a Tree, a preset name, or a list of choices; checked against num_heads.
+def _named_size(name, prefix):
+    """N of a name 'prefix-N' (a positive int), else None."""
+    if not name.startswith(prefix + "-"):
+        return None
+    n = name[len(prefix) + 1:]
+    if not n.isdigit() or int(n) < 1:
+        raise ValueError(f"tree {name!r}: {prefix}-N needs a positive integer N")
+    return int(n)
 
-    None: `default_tree(num_heads)`, which always fits the heads. A named preset or given choices that are
-    deeper than the heads are refused (never cut silently)."""
+
+def is_tree_name(name):
+    """True for every name `get_tree` knows (checked before a model loads, so a typo fails in a second)."""
+    try:
+        return name in PRESETS or name == "tuned" or any(
+            _named_size(name, p) for p in ("chain", "width", "tuned"))
+    except ValueError:
+        return False
+
+
+def get_tree(tree, num_heads=None, *, accuracy=None, budget=None):
+    """A Tree from a Tree, a list of choices, or a name; checked against num_heads. The names:
+
+        None        the package default, `default_tree(num_heads)`, which always fits the heads
+        a preset    'medusa-16', 'chain-4', ... (`PRESETS`)
+        'chain-N'   N top-1 drafts in a line (any N)
+        'width-K'   K candidates (top-K ranks) of every head, hanging off the top-1 chain: num_heads * K nodes
+                    besides the root (the candidate-count sweep); needs num_heads
+        'tuned'     the best `budget`-node tree (default DEFAULT_BUDGET) for the measured accuracies `accuracy`
+                    [H, K]; without accuracies, the package default
+        'tuned-N'   the best N-node tree for `accuracy` (required)
+
+    A tree deeper than the heads is refused (never cut silently)."""
     if tree is None:
         return default_tree(num_heads)
     if isinstance(tree, str):
-        if tree not in PRESETS:
-            raise ValueError(f"unknown tree preset {tree!r}; presets: {sorted(PRESETS)}")
-        tree = Tree.from_choices(PRESETS[tree])
+        name = tree
+        if name in PRESETS:
+            tree = Tree.from_choices(PRESETS[name])
+        elif _named_size(name, "chain"):
+            tree = Tree.chain(_named_size(name, "chain"))
+        elif _named_size(name, "width"):
+            if num_heads is None:
+                raise ValueError(f"tree {name!r} needs num_heads")
+            k = _named_size(name, "width")
+            tree = Tree.from_choices([(0,) * d + (r,) for d in range(num_heads) for r in range(k)])
+        elif name == "tuned" or _named_size(name, "tuned"):
+            if accuracy is None and name == "tuned":
+                return default_tree(num_heads)
+            if accuracy is None:
+                raise ValueError(f"tree {name!r} needs the heads' accuracies (an accuracy.json beside the heads)")
+            tree = Tree.from_accuracies(accuracy, _named_size(name, "tuned") or budget or DEFAULT_BUDGET)
+        else:
+            raise ValueError(f"unknown tree preset {name!r}; presets: {sorted(PRESETS)}, or 'chain-N', 'width-K', "
+                             "'tuned', 'tuned-N'")
     elif not isinstance(tree, Tree):
         tree = Tree.from_choices(tree)
     if num_heads is not None and tree.max_depth > num_heads:

@@ -25,7 +25,7 @@ import mtp_triton as mt  # noqa: E402
 from mtp_triton.bench.common import append_rows, env_info  # noqa: E402
 from mtp_triton.bench.hf_baseline import PROMPT_LOOKUP, hf_twin, time_hf  # noqa: E402
 from mtp_triton.bench.roofline import roofline_fields  # noqa: E402
-from mtp_triton.demo import CHAT_PROMPTS, HEADS, SMOLLM2, encode, pick_prompts, read_prompts  # noqa: E402
+from mtp_triton.bundle import CHAT_PROMPTS, HEADS, SMOLLM2, encode, pick_prompts, read_prompts  # noqa: E402
 
 
 CONFIGS = ("transformers generate", "transformers prompt-lookup", "serial", "mtp (defaults)", "mtp, whole tree")

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mtp_triton.bench.common import append_rows, env_info  # noqa: E402
 from mtp_triton.bench.hf_baseline import hf_twin, time_hf  # noqa: E402
-from mtp_triton.demo import SMOLLM2, encode, load_bundle, pick_prompts, read_prompts  # noqa: E402
+from mtp_triton.bundle import SMOLLM2, encode, load_bundle, pick_prompts, read_prompts  # noqa: E402
 from mtp_triton.generate import generate  # noqa: E402
 
 CONFIGS = ("transformers generate", "serial", "mtp: heads", "mtp: module")

@@ -3,11 +3,13 @@
     python scripts/run_notebooks.py                 # every notebooks/NN-*.ipynb
     python scripts/run_notebooks.py 05 07           # some of them
 
-Each notebook's first code cell prints `mtp_triton.version.stamp()` (the package's hash); tests/test_notebooks.py
-checks that the stamp in the committed outputs matches the package, so a change to mtp_triton/ without re-running
-the lessons fails CI. On a CPU-only machine the kernels run in Triton's interpreter (the notebooks call
+Each notebook's first code cell prints `mtp_triton.version.stamp()` (versions). After the last cell, the hashes of
+the package files the notebook's kernel imported go into its metadata ("mtp_triton": {"code": ...});
+tests/test_notebooks.py checks them against the package, so a change to code a lesson ran, without re-running that
+lesson, fails CI and names the files. On a CPU-only machine the kernels run in Triton's interpreter (the notebooks call
 `mtp_triton.use_interpreter()` themselves); OMP_NUM_THREADS defaults to 1 here, as in CI.
 """
+import json
 import os
 import pathlib
 import sys
@@ -15,6 +17,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STAMP = "from mtp_triton.version import stamp; print(stamp())     # which package code made these outputs"
+MANIFEST = "import json; from mtp_triton.version import code_manifest; print(json.dumps(code_manifest()))"
 
 
 def ensure_stamp(nb):
@@ -29,6 +32,7 @@ def run(path, timeout=900):
     import nbclient
     import nbformat
     nb = ensure_stamp(nbformat.read(path, as_version=4))
+    nb.cells.append(nbformat.v4.new_code_cell(MANIFEST))      # run last, then taken out again
     env_before = dict(os.environ)
     os.environ["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -39,6 +43,8 @@ def run(path, timeout=900):
     finally:
         os.environ.clear()
         os.environ.update(env_before)
+    code = json.loads(nb.cells.pop().outputs[0]["text"])
+    nb.metadata["mtp_triton"] = {"code": code}
     nbformat.write(nb, path)
     return time.time() - t0
 

@@ -9,7 +9,8 @@ import torch
 
 import mtp_triton as mt
 from cli_helpers import TINY, assert_refused, run_cli
-from mtp_triton.loading import config_from_hf, packaged_file, read_config
+from mtp_triton.config import config_from_hf, read_config
+from mtp_triton.loading import packaged_file
 
 
 def _cfg(**changes):

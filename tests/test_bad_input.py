@@ -156,7 +156,7 @@ def test_bad_block_size_is_refused(model, bad):
 
 
 def test_heads_of_another_hidden_size_are_refused_by_name(tmp_path):
-    from mtp_triton.demo import load_bundle
+    from mtp_triton.bundle import load_bundle
     D = mt.load_model(TINY).config.hidden_size
     mt.MTPHeads(2, D + 8).save(str(tmp_path / "heads"))
     with pytest.raises(ValueError, match="hidden state of size"):

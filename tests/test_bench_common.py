@@ -11,7 +11,10 @@ import time
 import pytest
 from bench_helpers import EMBEDDED, ROOT, child_env, default_sigint, read_csv
 
+import mtp_triton as mt
 from mtp_triton.bench import common
+from mtp_triton.bundle import pick_tree
+from mtp_triton.tree import get_tree
 
 
 
@@ -170,31 +173,31 @@ def test_int_at_least():
             parse(bad)
 
 
-# ---- trees by name: the eval harness's and train_heads' uses ----
+# ---- trees by name (tree.get_tree, bundle.pick_tree): the eval harness's and train_heads' uses ----
 @pytest.mark.parametrize("name,num_heads,size,depth", [
     ("medusa-16", None, 17, 3), ("chain-4", None, 5, 4), ("chain-6", 6, 7, 6), ("width-2", 3, 7, 3),
     ("tuned", 4, 17, 3),
 ], ids=lambda x: str(x))
 def test_tree_by_name(name, num_heads, size, depth):
-    t = common.tree_by_name(name, num_heads)
+    t = get_tree(name, num_heads)
     assert (t.size, t.max_depth) == (size, depth)
 
 
 def test_tree_by_name_tuned_from_accuracies():
     acc = [[0.8, 0.1], [0.5, 0.1], [0.3, 0.05]]
-    t = common.tree_by_name("tuned-9", acc=acc)                               # train_heads: measured accuracies
+    t = get_tree("tuned-9", accuracy=acc)                               # train_heads: measured accuracies
     assert t.size == 10 and t.max_depth <= 3
     heads = os.path.join(EMBEDDED, "heads")
     with open(os.path.join(heads, "accuracy.json")) as f:
         stored = json.load(f)
     from mtp_triton.tree import Tree
-    t = common.tree_by_name("tuned", stored["num_heads"], heads)             # eval: budget from accuracy.json
+    t = pick_tree("tuned", mt.load_heads(heads), heads)             # eval: budget from accuracy.json
     assert t.paths == Tree.from_accuracies(stored["acc"], stored["tree_budget"]).paths
-    assert common.tree_by_name("tuned-5", stored["num_heads"], heads).size == 6
+    assert pick_tree("tuned-5", mt.load_heads(heads), heads).size == 6
     with pytest.raises(ValueError, match="needs the heads' accuracies"):
-        common.tree_by_name("tuned-9")
+        get_tree("tuned-9")
     with pytest.raises(ValueError, match="exceeds the 2 heads"):
-        common.tree_by_name("chain-3", 2)
+        get_tree("chain-3", 2)
 
 
 # ---- importing a benchmark changes no environment variable ----

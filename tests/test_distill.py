@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import mtp_triton as mt
-from mtp_triton.training import distill
+from mtp_triton.training import distill, replay
 from mtp_triton.training.answers import write_answers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -62,7 +62,7 @@ def test_draft_vocab_is_the_most_frequent_tokens_increasing():
 def test_cache_targets_line_up(tiny):
     model, _, heads, rows = tiny
     tmap = torch.arange(model.config.vocab_size)
-    cache = distill.build_cache(model, rows, tmap, top_k=4, num_heads=3)
+    cache = replay.build_cache(model, rows, tmap, top_k=4, num_heads=3)
     n = sum(len(r["answer_ids"]) for r in rows)
     assert cache["x"].shape == (n, model.config.hidden_size)
     assert cache["root"].tolist() == [t for r in rows for t in r["answer_ids"]]      # the token after each x
@@ -84,13 +84,13 @@ def test_simulated_tau_matches_real_decoding(tiny, inputs):
         heads = reading_heads(heads, token_inputs=2 if inputs == "root+tokens" else 0)
     heads.token_map = None
     tmap = torch.arange(model.config.vocab_size)
-    cache = distill.build_cache(model, rows, tmap, top_k=1, num_heads=heads.num_heads)
+    cache = replay.build_cache(model, rows, tmap, top_k=1, num_heads=heads.num_heads)
     heads.token_map = tmap
-    ranks = distill.head_ranks(heads, model, cache)
+    ranks = replay.head_ranks(heads, model, cache)
     heads.token_map = None
     for name in ("chain-2", "medusa-16"):
         tree = mt.get_tree(name, heads.num_heads)
-        sim = distill.simulate_tau(ranks, distill.lengths_of(rows), tree)
+        sim = replay.simulate_tau(ranks, replay.lengths_of(rows), tree)
         assert sim == pytest.approx(decoded_tau(model, heads, rows, tree), rel=0.03), name
 
 
@@ -133,7 +133,7 @@ def test_root_projection_gradient_in_one_pass_equals_the_summed_loss():
 
     def inputs():
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            return distill.head_inputs(heads, embed, cache, i, torch.float32)
+            return replay.head_inputs(heads, embed, cache, i, torch.float32)
 
     xp = inputs()
     x = xp.detach().requires_grad_(True)
@@ -159,14 +159,14 @@ def test_token_inputs_are_teacher_forced_and_get_gradients():
     with torch.no_grad():
         heads.token_proj.normal_(0, 0.3)
     i = torch.arange(N - H)
-    x = distill.head_inputs(heads, embed, cache, i, torch.float32)
+    x = replay.head_inputs(heads, embed, cache, i, torch.float32)
     for h in range(H):
         want = x.clone()
         for q in range(min(h, 2)):
             want = want + embed[cache["root"][i + h - q]] @ heads.token_proj[q].T
-        assert torch.allclose(distill.path_inputs(heads, embed, cache, i, x, h), want, atol=1e-5)
+        assert torch.allclose(replay.path_inputs(heads, embed, cache, i, x, h), want, atol=1e-5)
     heads.zero_grad()
-    loss = sum(distill.head_loss(heads, sub, cache, i, distill.path_inputs(heads, embed, cache, i, x, h), h)
+    loss = sum(distill.head_loss(heads, sub, cache, i, replay.path_inputs(heads, embed, cache, i, x, h), h)
                for h in range(H))
     loss.backward()
     assert heads.token_proj.grad[0].abs().sum() > 0 and heads.token_proj.grad[1].abs().sum() > 0
@@ -175,25 +175,25 @@ def test_token_inputs_are_teacher_forced_and_get_gradients():
 def test_extended_cache_equals_one_built_at_once(tiny):
     model, _, _, rows = tiny
     tmap = torch.arange(model.config.vocab_size)
-    whole = distill.build_cache(model, rows, tmap, top_k=4, num_heads=3)
-    old = distill.build_cache(model, rows[:3], tmap, top_k=4, num_heads=3)
+    whole = replay.build_cache(model, rows, tmap, top_k=4, num_heads=3)
+    old = replay.build_cache(model, rows[:3], tmap, top_k=4, num_heads=3)
     del old["keys"], old["root"]                        # a cache from before keys and roots were stored
-    ext, added = distill.extend_cache(model, old, rows, num_heads=3)
+    ext, added = replay.extend_cache(model, old, rows, num_heads=3)
     assert added == 2 and ext["keys"] == whole["keys"] == [f"{r['id']}/greedy" for r in rows]
     for f in ("x", "tgt_p"):
         assert torch.allclose(ext[f].float(), whole[f].float(), atol=1e-3), f
     for f in ("tgt_idx", "greedy", "ok", "root"):
         assert torch.equal(ext[f], whole[f]), f
-    assert distill.extend_cache(model, ext, rows, num_heads=3)[1] == 0                # nothing left to add
+    assert replay.extend_cache(model, ext, rows, num_heads=3)[1] == 0                # nothing left to add
     with pytest.raises(ValueError, match="not in the answer rows"):
-        distill.extend_cache(model, whole, rows[1:], num_heads=3)
+        replay.extend_cache(model, whole, rows[1:], num_heads=3)
     with pytest.raises(ValueError, match="built for 3 heads"):
-        distill.extend_cache(model, whole, rows, num_heads=4)
+        replay.extend_cache(model, whole, rows, num_heads=4)
     bad = dict(whole)
     bad.pop("keys")
     bad["x"] = bad["x"][:-1]                            # no prefix of the answers has this many tokens
     with pytest.raises(ValueError, match="no prefix"):
-        distill.extend_cache(model, bad, rows, num_heads=3)
+        replay.extend_cache(model, bad, rows, num_heads=3)
 
 
 def test_simulated_tau_is_exact_for_a_bf16_engine_on_the_cpu(tmp_path):
@@ -212,11 +212,11 @@ def test_simulated_tau_is_exact_for_a_bf16_engine_on_the_cpu(tmp_path):
     rows = distill.read_answers(path)
     heads = reading_heads(mt.load_heads(os.path.join(TINY, "heads")), token_inputs=2, seed=1, dtype=torch.bfloat16)
     heads.token_map = torch.arange(model.config.vocab_size)
-    cache = distill.build_cache(model, rows, heads.token_map, top_k=1, num_heads=heads.num_heads)
-    ranks = distill.head_ranks(heads, model, cache)
+    cache = replay.build_cache(model, rows, heads.token_map, top_k=1, num_heads=heads.num_heads)
+    ranks = replay.head_ranks(heads, model, cache)
     for name in ("chain-3", "medusa-16"):
         tree = mt.get_tree(name, heads.num_heads)
-        assert distill.simulate_tau(ranks, distill.lengths_of(rows), tree) == pytest.approx(
+        assert replay.simulate_tau(ranks, replay.lengths_of(rows), tree) == pytest.approx(
             decoded_tau(model, heads, rows, tree), rel=0.03), name
 
 

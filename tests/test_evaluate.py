@@ -20,6 +20,7 @@ from mtp_triton.bench import evaluate as ev
 from mtp_triton.costs import StepCosts
 from mtp_triton.generate import prefill
 from mtp_triton.ops import get_ops
+from mtp_triton.tree import get_tree
 
 generate_module = importlib.import_module("mtp_triton.generate")     # the module (mt.generate is the function)
 
@@ -286,7 +287,7 @@ def test_long_run_summary_drift_and_memory_flag():
     ("chain-1", 2, 1, 1), ("chain-3", 4, 3, 1), ("width-3", 13, 4, 3), ("medusa-16", 17, 3, None), ("tuned", 17, 3, None),
 ], ids=lambda x: str(x))
 def test_tree_by_name(name, size, depth, top_k):
-    t = ev.tree_by_name(name, 4)
+    t = get_tree(name, 4)
     assert (t.size, t.max_depth) == (size, depth)
     if top_k:
         assert t.top_k == top_k
@@ -298,7 +299,7 @@ def test_sweep_tree_names_follow_the_heads():
     assert "chain-8" in ev.sweep_tree_names(9) and "chain-9" not in ev.sweep_tree_names(9)
     for name in ("chain-3", "chain-6"):                                          # a preset and a built chain
         with pytest.raises(ValueError, match="exceeds the 2 heads"):
-            ev.tree_by_name(name, 2)
+            get_tree(name, 2)
 
 
 @pytest.mark.parametrize("name", ev.SCENARIOS)
@@ -373,9 +374,9 @@ def test_the_scenario_set_follows_the_chat_template(loaded, chat_tok):
 
 
 def test_chat_items_render_with_the_template(loaded, chat_tok):
-    from mtp_triton import demo
+    from mtp_triton import bundle
     one = {"id": "x", "messages": [{"role": "user", "content": "What is the largest ocean?"}]}
-    assert ev.prompt_ids(chat_tok, one) == demo.encode(chat_tok, "What is the largest ocean?")   # the demo's ids
+    assert ev.prompt_ids(chat_tok, one) == bundle.encode(chat_tok, "What is the largest ocean?")   # the demo's ids
     item = ev.load_scenarios(("multi_turn",), 1, CHAT_DIR)["multi_turn"][0]
     text = chat_tok.decode(ev.prompt_ids(chat_tok, item))
     where = [text.index(m["content"]) for m in item["messages"]]
@@ -454,3 +455,18 @@ def test_eval_quick_on_gpu_with_triton_kernels(tiny_dir):
     assert all(r["kernels"] == "triton" and r["peak_memory_bytes"] > 0 for r in ab)
     summary = [r for r in res.rows if r["section"] == "long_summary"][0]
     assert summary["memory_growth_bytes"] <= ev.MEM_GROWTH_LIMIT["cuda"]
+
+
+def test_eval_says_up_front_what_it_runs(loaded, tmp_path, capsys):
+    """The plan line counts the requests and their new-token budget before anything runs, and times them here;
+    --full and --max-prompts together are refused."""
+    model, _, tok = loaded
+    cfg = ev.EvalConfig(max_prompts=2, max_new_cap=5, scenarios=("short_completion", "code_completion"),
+                        scenario_dir=ev.SCENARIO_DIR)
+    items = ev.load_scenarios(cfg.scenarios, 2, cfg.scenario_dir)
+    budget = sum(min(it["max_new_tokens"], 5) for v in items.values() for it in v)
+    line = ev.plan_line(model, tok, cfg, calibrate_tokens=2)
+    assert line.startswith("eval plan: 4 requests (short_completion 2, code_completion 2), ")
+    assert f"up to {budget} new tokens" in line and "ms/token" in line and "--full runs every item" in line
+    assert ev.main(["--full", "--max-prompts", "2", "--out", str(tmp_path / "e")]) == 2
+    assert "pass one of the two" in capsys.readouterr().err

@@ -12,7 +12,8 @@ from safetensors.torch import save_file
 
 import mtp_triton as mt
 from mtp_triton import loading
-from mtp_triton.loading import config_from_hf, resolve
+from mtp_triton.config import config_from_hf
+from mtp_triton.loading import resolve
 from hf_models import hf_greedy, make_hf
 
 PROMPTS = [[5, 17, 33, 42, 90, 1, 3, 8, 21, 13, 55, 34], [7, 8, 9]]
@@ -303,7 +304,7 @@ def test_smollm2_bf16_mtp_equals_serial_past_32_matmul_rows(smol):
 def test_smollm2_writes_its_own_prompts(smol, tmp_path):
     """Magpie-style: handed its chat template up to a user turn, the real model writes user messages; both the
     transformers and the engine sampler produce kept, template-free prompts that round-trip as user turns."""
-    from mtp_triton.training.answers import chat_ids
+    from mtp_triton.bundle import chat_ids
     from mtp_triton.training.self_prompts import keep, turn_prefix, write_self_prompts
     model, tok, hf, _ = smol
     pre = turn_prefix(tok)

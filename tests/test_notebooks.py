@@ -40,14 +40,31 @@ def test_there_are_notebooks():
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_committed_outputs_come_from_this_package(path):
-    """The stamp the first code cell printed (package hash) is this package's: re-run the lessons after changing
-    mtp_triton/ (python scripts/run_notebooks.py)."""
+    """The package files the lesson ran (hashed in its metadata by scripts/run_notebooks.py) are unchanged: re-run
+    a lesson after changing code it imports (python scripts/run_notebooks.py NN)."""
     import nbformat
-    from mtp_triton.version import stamp
+    from mtp_triton.version import changed_files
 
     nb = nbformat.read(path, as_version=4)
-    printed = [o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
-               if o.get("output_type") == "stream"]
-    stamps = [line for text in printed for line in text.splitlines() if "package hash" in line]
-    assert stamps, f"{path.name} has no stored outputs with the package stamp: run python scripts/run_notebooks.py"
-    assert stamps[0].strip() == stamp(), f"{path.name} was executed with other package code ({stamps[0].strip()})"
+    code = nb.metadata.get("mtp_triton", {}).get("code")
+    assert code and "__init__.py" in code, (f"{path.name} has no record of the code it ran: run "
+                                            f"python scripts/run_notebooks.py {path.name[:2]}")
+    changed = changed_files(code)
+    assert not changed, (f"{path.name} ran other package code: {', '.join(changed)} changed since; re-run "
+                         f"python scripts/run_notebooks.py {path.name[:2]}")
+
+
+def test_code_manifest_and_changed_files(tmp_path):
+    """The manifest lists the package's imported files only; changed_files names an edited or deleted file."""
+    import sys
+
+    import mtp_triton.version as v
+
+    assert v.code_manifest({"mtp_triton.version": v, "os": sys.modules["os"]}) == {"version.py": v.file_hash("version.py")}
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "b.py").write_text("y = 2\n")
+    manifest = {n: v.file_hash(n, str(tmp_path)) for n in ("a.py", "b.py")}
+    assert v.changed_files(manifest, str(tmp_path)) == []
+    (tmp_path / "a.py").write_text("x = 2\n")
+    (tmp_path / "b.py").unlink()
+    assert v.changed_files(manifest, str(tmp_path)) == ["a.py", "b.py"]

@@ -4,7 +4,7 @@ import csv
 import io
 from collections import defaultdict
 
-from ..records import write_bytes, write_text
+from ..records import md_table, write_bytes, write_text
 from .cubin import issue_cycles
 from .hardware import PRODUCTS, SCHEDULERS_PER_SM, products_of
 
@@ -119,9 +119,7 @@ def _fmt_us(v):
 
 
 def _table(header, lines):
-    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    out += ["| " + " | ".join(str(c) for c in line) + " |" for line in lines]
-    return out
+    return md_table(header, lines).split("\n")
 
 
 def _varying(specs):

@@ -1,4 +1,4 @@
-"""Shared benchmark plumbing: paths, trees by name, command-line pieces, figures, timing and measured copy bandwidth.
+"""Shared benchmark plumbing: command-line pieces, figures, timing and measured copy bandwidth.
 The environment stamp, CSV rows and atomic writes live in mtp_triton.records (re-exported here)."""
 import io
 import os
@@ -11,46 +11,6 @@ from ..cli import int_at_least  # noqa: F401  (re-exported for bench code)
 from ..records import (KeptRows, append_rows, cpu_model_and_flags, device_name, ensure_writable_dir,  # noqa: F401
                        env_info, git_commit, output_lock, read_rows, read_whole_rows, resume_rows, write_bytes,
                        write_json, write_text)
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))     # the repository
-EMBEDDED = os.path.join(ROOT, "data", "tiny-stdlib-llama")                               # the embedded model
-PROMPTS = os.path.join(ROOT, "data", "prompts", "thirdparty_code.jsonl")                 # held-out code prompts
-
-
-# ---- trees by name ------------------------------------------------------------------------------------------
-def tree_by_name(name, num_heads=None, heads_dir=None, acc=None):
-    """The tree a name stands for:
-
-        None, 'tuned'  tuned to heads_dir/accuracy.json (with the budget stored there); without it the preset
-        'tuned-N'      the N-node tree for the accuracies `acc` [H, K] (or those in heads_dir/accuracy.json)
-        a preset       'medusa-16', 'chain-4', ... (mtp_triton.tree.PRESETS)
-        'chain-N'      N drafts in a line (any N)
-        'width-K'      the candidate-count sweep: K candidates (top-K ranks) of every head, hanging off the
-                       top-1 chain, so num_heads * K nodes besides the root; needs top-K drafts of each head
-    num_heads: the heads there are (a deeper tree is a ValueError; 'width-K' needs it).
-    """
-    from ..tree import PRESETS, Tree, get_tree
-    if name in (None, "tuned"):
-        if heads_dir is None:
-            return get_tree(None, num_heads)
-        from ..demo import default_tree
-        return default_tree(heads_dir, num_heads)
-    if name.startswith("tuned-"):
-        if acc is None:
-            if heads_dir is None or not os.path.exists(os.path.join(heads_dir, "accuracy.json")):
-                raise ValueError(f"tree {name!r} needs the heads' accuracies (an accuracy.json beside the heads)")
-            from ..demo import read_accuracy
-            acc = read_accuracy(heads_dir, num_heads)[0]
-        return get_tree(Tree.from_accuracies(acc, int(name.split("-", 1)[1])), num_heads)
-    if name.startswith("chain-") and name not in PRESETS:
-        return get_tree(Tree.chain(int(name.split("-")[1])), num_heads)
-    if name.startswith("width-"):
-        if num_heads is None:
-            raise ValueError(f"tree {name!r} needs num_heads")
-        k = int(name.split("-")[1])
-        return Tree.from_choices([(0,) * d + (r,) for d in range(num_heads) for r in range(k)])
-    return get_tree(name, num_heads)
-
 
 # ---- command lines ------------------------------------------------------------------------------------------
 def add_output_args(ap, default_csv, png_next_to_csv=False):

@@ -32,7 +32,9 @@ from ..model import LlamaEngine, ModelConfig
 from ..mtp_module import MTPModule, is_module_folder
 from ..stats import gpu_energy_j  # noqa: F401  (kept importable as e2e.gpu_energy_j)
 from ..tree import Tree, get_tree
-from .common import EMBEDDED, PROMPTS, ROOT, ensure_writable_dir, env_info, int_at_least, save_rows
+from ..bundle import (CHAT_PROMPTS, EMBEDDED, PROMPTS, ROOT, SMOLLM2, encode, heads_dir_for, load_bundle, load_embedded,
+                      pick_prompts, pick_tree, read_accuracy, read_prompts)
+from .common import ensure_writable_dir, env_info, int_at_least, save_rows
 from .hf_baseline import hf_rows, hf_twin, time_hf  # noqa: F401  (the HF baseline, kept importable from here)
 
 # Llama-2-7B (Touvron et al. 2023): 6.7 B parameters, 13.5 GB in bf16.
@@ -132,7 +134,6 @@ def random_engine(cfg, device, dtype, seed=0):
 
 def _code_prompts(tokenizer, n, prompt_len):
     """The first n prompts of data/prompts, tokenized, each cut to its last prompt_len tokens."""
-    from ..demo import read_prompts
     texts = [r["text"] for r in read_prompts(PROMPTS, n)]
     return [tokenizer(t)["input_ids"][-prompt_len:] for t in texts]
 
@@ -152,7 +153,6 @@ def load_target(suite, model_path=EMBEDDED, device=None, quick=False, num_prompt
     if suite == "embedded":
         n, plen = num_prompts or (1 if quick else 4), prompt_len or (24 if quick else 128)
         if has_embedded(model_path):
-            from ..demo import load_embedded
             model, heads, tok = load_embedded(model_path, device=device)
             return Target("embedded", model, _code_prompts(tok, n, plen),
                           f"{os.path.basename(os.path.normpath(model_path))} (trained heads)", heads=heads,
@@ -184,7 +184,6 @@ def load_target(suite, model_path=EMBEDDED, device=None, quick=False, num_prompt
 
 def smollm2_installed():
     """True when the pip package that ships SmolLM2-135M-Instruct is installed."""
-    from ..demo import SMOLLM2
     from ..loading import packaged_file
     try:
         packaged_file(SMOLLM2)
@@ -194,9 +193,8 @@ def smollm2_installed():
 
 
 def _smollm2_target(device, n, heads_dir=None):
-    """SmolLM2-135M-Instruct with its heads on the first n held-out chat prompts, one per category (demo.encode:
+    """SmolLM2-135M-Instruct with its heads on the first n held-out chat prompts, one per category (bundle.encode:
     the chat template). RuntimeError when the package or the heads are missing."""
-    from ..demo import CHAT_PROMPTS, SMOLLM2, encode, heads_dir_for, load_bundle, pick_prompts, read_prompts
     from ..loading import packaged_file
     hd = heads_dir or heads_dir_for(SMOLLM2)
     try:
@@ -249,10 +247,7 @@ class Drafting:
 
 
 def heads_drafting(target):
-    acc = None
-    if target.heads_dir and os.path.exists(os.path.join(target.heads_dir, "accuracy.json")):
-        with open(os.path.join(target.heads_dir, "accuracy.json")) as f:
-            acc = torch.tensor(json.load(f)["acc"], dtype=torch.float64)[: target.heads.num_heads]
+    acc = read_accuracy(target.heads_dir, target.heads.num_heads)[0] if target.heads_dir else None
     return Drafting("heads" + (" (random)" if target.random_weights else ""), target.heads.num_heads,
                     heads=target.heads, acc=acc)
 
@@ -267,19 +262,15 @@ def oracle_drafting(spec, seed=0):
                     seed=seed)
 
 
-def default_tree(target, drafting, budget=16):
-    """The tree a user would get: for trained heads the tree stored with them, else `demo.default_tree` (tuned to
-    heads/accuracy.json, else the preset); for the oracle, the best `budget`-node tree for its accuracies."""
+def drafting_tree(target, drafting, budget=16):
+    """The tree a user would get: for trained heads `bundle.pick_tree('stored')` (the tree stored with them, else
+    tuned to heads/accuracy.json, else the preset); for the oracle, the best `budget`-node tree for its accuracies;
+    None for the MTP module (it draws its own tree every step)."""
     if drafting.dynamic:
-        return None                             # the MTP module draws its own tree every step
-    if not drafting.synthetic and getattr(drafting.heads, "tree", None) is not None:
-        return Tree.from_choices(drafting.heads.tree)
-    if not drafting.synthetic and target.heads_dir:
-        from ..demo import default_tree as tuned
-        return tuned(target.heads_dir, drafting.num_heads)
-    if drafting.acc is not None:
-        return Tree.from_accuracies(drafting.acc, budget)
-    return get_tree(None, drafting.num_heads)
+        return None
+    if not drafting.synthetic:
+        return pick_tree("stored", drafting.heads, target.heads_dir)
+    return get_tree("tuned", drafting.num_heads, accuracy=drafting.acc, budget=budget)
 
 
 # ---- running and timing -----------------------------------------------------------------------------------
@@ -346,7 +337,7 @@ def ab_rows(target, drafting, max_new_tokens, batches=(1,), tree=None, kernels="
     """Serial vs MTP on our engine at each batch size, plus HF generate (batch 1) on the same weights."""
     model, dev = target.model, target.model.device
     env = env_info(dev)
-    tree = tree or default_tree(target, drafting)
+    tree = tree or drafting_tree(target, drafting)
     base = dict(env, table="e2e", run_id=run_id or env["timestamp"], **target.row(),
                 max_new_tokens=max_new_tokens, drafter=drafting.label, synthetic_drafts=drafting.synthetic)
     kw = dict(kernels=kernels, eos_token_id=target.eos_token_id)

@@ -24,9 +24,10 @@ import uuid
 import torch
 
 from ..generate import RuntimeConfig, generate
+from ..bundle import generate_tree, pick_tree, tree_size
 from ..mtp_module import MTPModule
 from ..tree import PRESETS, Tree
-from .common import KeptRows, env_info, tree_by_name
+from .common import KeptRows, env_info
 from .scenarios import default_scenario_dir, fit, item_text, prompt_ids
 from .eval_metrics import (current_memory, describe_mismatch, failures_in_rows, first_difference, long_run_summary,
                            mean_logprob, num, request_metrics, sampled_quality, section_rows)
@@ -73,20 +74,6 @@ def sweep_tree_names(num_heads, stored=False):
     return names + ["tuned"] + (["stored"] if stored else []) + [f"width-{k}" for k in (2, 4, 8)]
 
 
-def harness_tree(name, heads, heads_dir=None, model=None, kernels="auto"):
-    """The tree a name stands for: 'stored' (saved with the heads, else 'tuned') and 'auto' (tuned now to this
-    machine's step costs) as in the demo (`demo.pick_tree`); every other name as `tree_by_name`."""
-    if isinstance(heads, MTPModule):                 # a dynamic tree each step: nothing to pick (demo.pick_tree)
-        from ..demo import pick_tree
-        return pick_tree(name, heads, heads_dir)
-    if name == "stored" and heads.tree is not None:
-        return Tree.from_choices(heads.tree)
-    if name == "auto" and heads_dir is not None:
-        from ..demo import pick_tree
-        return pick_tree("auto", heads, heads_dir, model, kernels)
-    return tree_by_name("tuned" if name in ("stored", "auto") else name, heads.num_heads, heads_dir)
-
-
 def _bar(total, desc, cfg, unit="it"):
     from tqdm import tqdm
     return tqdm(total=total, desc=desc, unit=unit, disable=not cfg.progress, leave=False, file=sys.stderr)
@@ -101,8 +88,7 @@ class Harness:
         self.model, self.heads, self.tok, self.cfg = model, heads, tok, cfg
         self.ctx = model.config.max_position_embeddings
         self.eos = getattr(tok, "eos_token_id", None)
-        from ..demo import tree_size               # a function-level import: demo imports bench.common
-        self.tree = harness_tree(cfg.tree, heads, heads_dir, model, cfg.kernels)
+        self.tree = pick_tree(cfg.tree, heads, heads_dir, model, cfg.kernels)
         self.heads_dir = heads_dir
         rt = {k: v for k, v in (("fallback_threshold", cfg.fallback), ("prune_below", cfg.prune_below)) if v is not None}
         self.runtime = RuntimeConfig(**rt) if rt else None
@@ -131,7 +117,6 @@ class Harness:
 
     def run(self, ids, max_new, mtp, tree=None, temperature=None, seed=None, eos=-1, batch=False):
         """One request (or a batch when batch=True) with everything but the MTP switch fixed by the config."""
-        from ..demo import generate_tree           # 'stored': generate's default (sized per step by cost on a CPU)
         t = self.cfg.temperature if temperature is None else temperature
         return generate(self.model, ids if batch else [ids], max_new, heads=self.heads if mtp else None, mtp=mtp,
                         tree=tree or generate_tree(self.cfg.tree, self.heads, self.tree), temperature=t, top_p=self.cfg.top_p,
@@ -227,7 +212,7 @@ class Harness:
                   "MTP heads)", file=sys.stderr)
             return
         names = list(cfg.sweep_trees or sweep_tree_names(self.heads.num_heads, self.heads.tree is not None))
-        trees = [("serial", Tree.root_only())] + [(n, harness_tree(n, self.heads, self.heads_dir, self.model,
+        trees = [("serial", Tree.root_only())] + [(n, pick_tree(n, self.heads, self.heads_dir, self.model,
                                                                    cfg.kernels)) for n in names]
         items = [(f"{name}/{its[0]['id']}", its[0]) for name, its in scenarios.items()][:cfg.sweep_prompts]
         reqs = [(label, *self.prompt(it, cfg.sweep_tokens)[:2]) for label, it in items]

@@ -1,5 +1,6 @@
 """The evaluation report: markdown tables computed from the rows (as the harness made them or read back from
 eval.csv), with the hardware, versions and command that produced them."""
+from .. import records
 from .common import write_text
 from .eval_metrics import ALPHA, FLOOR, MIN_ITEMS, ab_table, aggregate, num, section_rows
 
@@ -15,9 +16,7 @@ def fmt(x, nd=2):
 
 
 def md_table(header, body):
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(fmt(c) for c in row) + " |" for row in body]
-    return "\n".join(lines)
+    return records.md_table(header, body, cell=fmt)
 
 
 def mib(x):

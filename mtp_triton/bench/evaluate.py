@@ -13,9 +13,11 @@ output, long-form; each with short, medium and long outputs).
 Each item runs serial (MTP off) and MTP (on) back to back, same prompt, max_new_tokens, EOS, temperature, seed and
 kernels; the order alternates from item to item so that drift on a busy machine hits both modes.
 
-The model, heads, dtype and tree are picked as by the demo (`demo.load_bundle`, `demo.pick_tree`: --tree stored
-is the tree saved with the heads). The scenario set fits the tokenizer: a chat template -> data/scenarios_chat (chat
-messages rendered with the template), none -> data/scenarios (raw code to continue); --scenario-dir overrides.
+The model, heads, dtype and tree are picked as by the demo (`bundle.load_bundle`, `bundle.pick_tree`: --tree
+stored is the tree saved with the heads). The scenario set fits the tokenizer: a chat template ->
+data/scenarios_chat (chat messages rendered with the template), none -> data/scenarios (raw code to continue);
+--scenario-dir overrides. Without --full, 3 items of each set (one short, one medium, one long: about 5 minutes on a
+2-core CPU); the run says up front how many requests it makes and about how long they take.
 
 What it measures (the framework's dimensions -> what is recorded; every number comes from `generate`'s stats):
     quality gate   T = 0: MTP output must equal serial output token for token (any mismatch: first differing
@@ -53,14 +55,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..bundle import (DEFAULT_DRAFTER, DRAFTERS, EMBEDDED, ROOT, SMOLLM2, cli_drafter, heads_dir_for, load_bundle,
+                      pick_tree)
 from ..cli import error, run
-from ..demo import DEFAULT_DRAFTER, DRAFTERS, SMOLLM2, cli_drafter, heads_dir_for, load_bundle
-from ..generate import RuntimeConfig
+from ..generate import RuntimeConfig, generate
 from ..loading import SHORT_NAMES
 from ..sampling import check_temperature
-from .common import (EMBEDDED, ROOT, append_rows, ensure_writable_dir, int_at_least, output_lock, resume_rows,
-                     tree_by_name)
-from .eval_harness import Harness, harness_tree, row_key, sweep_tree_names
+from .common import append_rows, ensure_writable_dir, int_at_least, output_lock, resume_rows
+from .eval_harness import Harness, row_key, sweep_tree_names
 from .scenarios import (CHAT_SCENARIO_DIR, CHAT_SCENARIOS, SCENARIO_DIR, SCENARIOS, default_scenario_dir, encode,
                         has_chat_template, load_scenarios, prompt_ids)
 from .eval_metrics import (ALPHA, FLOOR, MEM_GROWTH_LIMIT, MIN_ITEMS, ab_table, aggregate, describe_mismatch,
@@ -69,13 +71,15 @@ from .eval_metrics import (ALPHA, FLOOR, MEM_GROWTH_LIMIT, MIN_ITEMS, ab_table, 
 from .eval_plots import plot_all
 from .eval_report import md_table, performance_tables, sweep_table, write_report
 
+DEFAULT_PROMPTS = 3                       # items per set without --full: short, medium, long (the files' order)
+
 # Kept importable from here (tests and notebooks use `from mtp_triton.bench import evaluate as ev`).
 __all__ = ["ALPHA", "CHAT_SCENARIOS", "CHAT_SCENARIO_DIR", "EMBEDDED", "FLOOR", "MEM_GROWTH_LIMIT", "MIN_ITEMS",
            "SCENARIOS", "SCENARIO_DIR", "EvalConfig", "EvalResult", "Harness", "ab_table", "aggregate",
-           "default_scenario_dir", "describe_mismatch", "encode", "evaluate", "first_difference", "harness_tree",
-           "load_scenarios", "long_run_summary", "main", "md_table", "mean_logprob", "performance_tables", "plot_all",
-           "prompt_ids", "request_metrics", "row_key", "sampled_quality", "sweep_table", "sweep_tree_names",
-           "t_critical", "tree_by_name", "write_outputs", "write_report"]
+           "default_scenario_dir", "describe_mismatch", "encode", "evaluate", "first_difference",
+           "load_scenarios", "long_run_summary", "main", "md_table", "mean_logprob", "performance_tables", "plan_line",
+           "plot_all", "prompt_ids", "request_metrics", "row_key", "sampled_quality", "sweep_table", "sweep_tree_names",
+           "t_critical", "write_outputs", "write_report"]
 
 
 @dataclass
@@ -215,7 +219,11 @@ def build_parser():
                     f" or of the code set ({', '.join(SCENARIOS)})")
     ap.add_argument("--scenario-dir", default=None, help="default: data/scenarios_chat for a tokenizer with a chat "
                     "template, else data/scenarios")
-    ap.add_argument("--max-prompts", type=int_at_least(1), default=None, help="items per scenario set (>= 1)")
+    ap.add_argument("--max-prompts", type=int_at_least(1), default=None, help="items per scenario set (>= 1; default "
+                    f"{DEFAULT_PROMPTS}: one short, one medium and one long item of each set, about 5 minutes on a "
+                    "2-core CPU; --full: every item)")
+    ap.add_argument("--full", action="store_true", help="every item of every scenario set (on a 2-core CPU about 15 "
+                    "minutes or more)")
     ap.add_argument("--max-new-cap", type=int_at_least(1), default=None, help="cap on every item's max_new_tokens")
     ap.add_argument("--sweep", action="store_true", help="parameter sensitivity: tree depth, size and width")
     ap.add_argument("--long-run", type=int_at_least(0), default=0, metavar="N",
@@ -230,6 +238,26 @@ def build_parser():
     ap.add_argument("--quick", action="store_true", help="tiny sizes (CI): 2 items per set, <= 16 new tokens")
     ap.add_argument("--no-progress", action="store_true")
     return ap
+
+
+def plan_line(model, tok, cfg, calibrate_tokens=16):
+    """What the run will do and about how long it takes, said before it starts: the A/B requests and their new-token
+    budget (an upper bound: answers may end earlier), timed from a short serial calibration on this machine (MTP
+    counted at 0.7 of serial time, the edge and compatibility checks at two 64-token requests per set; the sweep and
+    the long run are extra, and the line says so)."""
+    sets = load_scenarios(cfg.scenarios, cfg.max_prompts, cfg.scenario_dir)
+    items = [it for v in sets.values() for it in v]
+    budget = sum(min(it["max_new_tokens"], cfg.max_new_cap or it["max_new_tokens"]) for it in items)
+    room = min(cfg.prompt_cap or 10 ** 9, model.config.max_position_embeddings - calibrate_tokens - 1)
+    ids = prompt_ids(tok, items[0])[-room:]
+    per_token = 1 / generate(model, [ids], calibrate_tokens, mtp=False, kernels=cfg.kernels).stats.decode_tokens_per_s
+    minutes = (budget * 1.7 + 2 * len(sets) * 64) * per_token / 60
+    extra = [w for w, on in (("--sweep", cfg.sweep), (f"--long-run {cfg.long_run}", cfg.long_run)) if on]
+    return (f"eval plan: {len(items)} requests ({', '.join(f'{n} {len(v)}' for n, v in sets.items())}), up to {budget} "
+            f"new tokens, each serial and with MTP, plus edge and compatibility checks; "
+            f"{'under a minute' if minutes < 1 else f'about {minutes:.0f} min'} here (serial decoding {per_token * 1e3:.0f} ms/token in a {calibrate_tokens}-token calibration)"
+            + (f"; {' and '.join(extra)} not counted" if extra else "")
+            + ("" if cfg.max_prompts is None else "; --full runs every item"))
 
 
 def _model_missing(model):
@@ -283,6 +311,10 @@ def _main(a, argv):
               long_run=a.long_run, timeout_s=a.timeout, fallback=a.fallback, prune_below=a.prune_below,
               edge=not a.no_edge,
               edge_full_context=True if a.edge_full_context else None, progress=not a.no_progress)
+    if a.full and a.max_prompts is not None:
+        return error("--full runs every item; --max-prompts limits them: pass one of the two")
+    if not (a.full or a.quick or a.max_prompts):
+        a.max_prompts = DEFAULT_PROMPTS
     kw.update({k: v for k, v in (("max_prompts", a.max_prompts), ("max_new_cap", a.max_new_cap)) if v is not None})
     try:
         cfg = EvalConfig.quick(**kw) if a.quick else EvalConfig(**kw)
@@ -300,7 +332,7 @@ def _main(a, argv):
         for items in first.values():
             prompt_ids(tok, items[0])                        # a chat set needs a chat template: say so now
         if a.tree != "auto":                                 # 'auto' measures step costs: the harness does it once
-            harness_tree(a.tree, heads, heads_dir)
+            pick_tree(a.tree, heads, heads_dir)
     except ValueError as e:
         return error(e)
     where = "CPU (numbers are CPU numbers)" if model.device.type != "cuda" else torch.cuda.get_device_name()
@@ -310,6 +342,7 @@ def _main(a, argv):
           f"{os.path.relpath(cfg.scenario_dir, ROOT)}: {', '.join(first)}"
           + (" (chat template)" if has_chat_template(tok) else "")
           + ("; --quick (tiny sizes)" if a.quick else "") + ("; --resume" if a.resume else ""), file=sys.stderr)
+    print(plan_line(model, tok, cfg), file=sys.stderr)
     t0 = time.perf_counter()
     command = "python -m mtp_triton eval " + " ".join(argv)
     csv_path = os.path.join(a.out, "eval.csv")

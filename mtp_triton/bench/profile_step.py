@@ -229,7 +229,7 @@ def plot_phases(rows, ax=None, path=None):
 
 
 def main(argv=None):
-    from .e2e import add_target_args, default_tree, serial_truth, target_from_args
+    from .e2e import add_target_args, drafting_tree, serial_truth, target_from_args
     ap = argparse.ArgumentParser(prog="python -m mtp_triton.bench.profile_step", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="out/profile.csv", help="CSV to append rows to (the PNG goes next to it)")
     add_target_args(ap)
@@ -240,7 +240,7 @@ def main(argv=None):
         return 0
     t, d, quick = found
     n = a.max_new_tokens or (12 if quick else 64)
-    tree = default_tree(t, d)
+    tree = drafting_tree(t, d)
     kw = dict(kernels=a.kernels, eos_token_id=t.eos_token_id)
     truth = serial_truth(t.model, t.prompts, n, d.num_heads, **kw)
     env = env_info(t.model.device)

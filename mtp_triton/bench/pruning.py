@@ -26,8 +26,10 @@ import torch
 
 from ..cli import error, run
 from ..generate import RuntimeConfig, generate
-from .common import (ROOT, KeptRows, append_rows, ensure_writable_dir, env_info, int_at_least, output_lock,
-                     resume_rows, save_figure)
+from ..bundle import (ROOT, SMOLLM2, cli_drafter, describe_drafter, encode, heads_dir_for, load_bundle, pick_prompts,
+                      pick_tree, read_prompts, tree_size)
+from .common import (KeptRows, append_rows, ensure_writable_dir, env_info, int_at_least, output_lock, resume_rows,
+                    save_figure)
 from .eval_harness import fingerprint
 
 PROMPT_SETS = {"chat": os.path.join(ROOT, "data", "chat", "heldout_chat.jsonl"),
@@ -133,7 +135,6 @@ def parse_thresholds(text):
 def main(argv=None):
     """`python -m mtp_triton prune`: the exit status (0 every output equals serial, 1 one differs, 2 bad input, 130
     Ctrl-C). The rows of each prompt are appended to <out>/prune.csv as soon as it finishes; one run per --out."""
-    from ..demo import SMOLLM2, read_prompts
     argv = list(sys.argv[1:] if argv is None else argv)
     a = build_parser().parse_args(argv)
     a.model = a.model or SMOLLM2
@@ -149,8 +150,6 @@ def main(argv=None):
 
 
 def _run(a, argv, thresholds, prompts):
-    from ..demo import cli_drafter, describe_drafter, encode, heads_dir_for, load_bundle, pick_prompts, pick_tree, \
-        tree_size
     a.drafter = cli_drafter(a.model, a.drafter, a.heads)
     try:
         model, heads, tok = load_bundle(a.model, a.heads, drafter=a.drafter)

@@ -11,7 +11,7 @@ Two sets of the same five kinds (short Q&A, multi-turn dialogue, code completion
 import json
 import os
 
-from .common import ROOT
+from ..bundle import ROOT
 
 SCENARIO_DIR = os.path.join(ROOT, "data", "scenarios")
 CHAT_SCENARIO_DIR = os.path.join(ROOT, "data", "scenarios_chat")
@@ -58,7 +58,7 @@ def load_scenarios(names=SCENARIOS, max_prompts=None, folder=SCENARIO_DIR):
 
 def prompt_ids(tok, item):
     """Token ids of a scenario item: `messages` through the chat template with the assistant's turn opened (for one
-    user turn the same ids as `demo.encode`), else the raw `text` (a continuation)."""
+    user turn the same ids as `bundle.encode`), else the raw `text` (a continuation)."""
     if "messages" in item:
         if not has_chat_template(tok):
             raise ValueError(f"scenario item {item.get('id')!r} is a chat (messages) but the tokenizer has no chat "

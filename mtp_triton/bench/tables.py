@@ -42,8 +42,9 @@ from ..ops import get_ops
 from ..tree import Tree
 from . import e2e
 from ..cli import error, run
-from .common import (EMBEDDED, KeptRows, append_rows, ensure_writable_dir, env_info, int_at_least, output_lock,
-                     read_rows, resume_rows, time_fn, write_text)
+from ..bundle import EMBEDDED
+from .common import (KeptRows, append_rows, ensure_writable_dir, env_info, int_at_least, output_lock, read_rows,
+                    resume_rows, time_fn, write_text)
 from .eval_harness import fingerprint
 from .hf_baseline import hf_rows
 from .roofline import roofline_fields
@@ -146,7 +147,7 @@ def suite_rows(target, draftings, max_new_tokens, *, kernels="auto", hf=True, ph
 
     t1 = verify_s(Tree.root_only())
     for d in draftings:
-        tree = e2e.default_tree(target, d)
+        tree = e2e.drafting_tree(target, d)
         sweep = {}
         for name, t, note in sweep_configs(d, tree):
             row = dict(base, table="sweep", drafter=d.label, synthetic_drafts=d.synthetic, config=name, note=note)
@@ -177,7 +178,7 @@ def suite_rows(target, draftings, max_new_tokens, *, kernels="auto", hf=True, ph
             rows += analytic_rows(d, sweep, t1, verify_s, dict(base, drafter=d.label, synthetic_drafts=d.synthetic))
     d0 = draftings[0]
     if phases:
-        tree = e2e.default_tree(target, d0)
+        tree = e2e.drafting_tree(target, d0)
         V = model.config.vocab_size
         configs = [("serial", dict(kw, mtp=False)),
                    (f"tree-{tree.size}",

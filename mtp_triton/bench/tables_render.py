@@ -4,7 +4,9 @@ import csv
 import glob
 import os
 
-from .common import ROOT, save_figure
+from ..bundle import ROOT
+from ..records import md_table
+from .common import save_figure
 from .profile_step import PHASES, plot_phases
 
 PUBLISHED = os.path.join(ROOT, "data", "published")
@@ -50,9 +52,7 @@ def _n(x, fmt="{:.1f}"):
 
 
 def _table(headers, body):
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in body]
-    return "\n".join(lines) + "\n"
+    return md_table(headers, body) + "\n"
 
 
 def _where(r):

@@ -13,7 +13,17 @@ Without that, a kernel launched on CPU tensors raises a RuntimeError that says s
 import os
 import sys
 
-KERNEL_MODULES = ("accept", "drafting", "kv_append", "tree_attention")
+# The one kernel registry: each public launcher and the module (file) it lives in. `ops` and the package's top-level
+# names read it; adding a kernel family means a file here, its twin in reference.py, and a line below.
+KERNELS = {"fused_draft": "drafting", "tree_attention": "tree_attention", "tree_accept": "accept",
+           "tree_accept_sample": "accept", "kv_append": "kv_append"}
+KERNEL_MODULES = tuple(sorted(set(KERNELS.values())))
+
+
+def launcher(name):
+    """The Triton launcher `name` (imports its kernel module on first use)."""
+    import importlib
+    return getattr(importlib.import_module(f"{__name__}.{KERNELS[name]}"), name)
 
 
 def interpreter_enabled():

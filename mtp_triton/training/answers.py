@@ -18,6 +18,7 @@ import random
 
 import torch
 
+from ..bundle import chat_ids
 from ..generate import generate
 from .data import read_text_rows
 
@@ -26,16 +27,6 @@ def read_prompts(path, what="prompt file"):
     """Rows of a prompts JSONL (id, category, text, ...); a line without an id or a text string, a torn line, a file
     that is not UTF-8 or is missing: a ValueError naming `what` (the flag), the file and the line."""
     return read_text_rows(path, what, fields=("id", "text"))
-
-
-def chat_ids(tok, text, system=None):
-    """Token ids of one user turn in the model's chat template, ending where the assistant's answer starts
-    (a tokenizer without a chat template: the text itself)."""
-    if not getattr(tok, "chat_template", None):
-        return list(tok(text)["input_ids"])
-    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-    out = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-    return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
 
 
 def jobs(rows, sample_share=0.4, seed=0):

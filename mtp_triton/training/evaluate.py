@@ -13,7 +13,8 @@ import time
 import torch
 
 from mtp_triton.cli import int_at_least
-from mtp_triton.records import write_json
+from mtp_triton.records import env_info, write_json
+from mtp_triton.tree import get_tree
 from mtp_triton.training.data import prompt_ids
 from mtp_triton.training.hidden import base_argmax, cache_hidden, greedy_continue, head_z
 
@@ -151,8 +152,6 @@ def measure_tau(args):
     """
     import mtp_triton
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from mtp_triton.bench.common import tree_by_name
-    from mtp_triton.records import env_info
     torch.set_num_threads(args.threads)
     model = mtp_triton.load_model(args.model, device=args.device)
     heads = mtp_triton.load_heads(args.heads, device=args.device)
@@ -180,7 +179,7 @@ def measure_tau(args):
     out["prompt_loss_nats"] = sum(losses) / len(losses)
     del hf
     for name in args.trees:
-        tree = tree_by_name(name, acc=acc)
+        tree = get_tree(name, accuracy=acc)
         if tree.max_depth > heads.num_heads:
             continue
         t1 = time.time()

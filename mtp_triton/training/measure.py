@@ -2,7 +2,7 @@
 repeats; every number recorded with what it was measured on.)
 
 - `evaluate_heads`: per-head top-k accuracy against the base's greedy token and the exact simulated greedy tau of a
-  set of trees, per category, on held-out greedy answers (see `distill.simulate_tau`).
+  set of trees, per category, on held-out greedy answers (see `replay.simulate_tau`).
 - `tree_from_ranks`: the tree of N nodes that accepts the most on held-out answers (the N rank paths the true
   continuation follows most often; Medusa's sparse trees are built from measured accuracies the same way, without
   assuming the heads independent, which heads that read their path are not).
@@ -22,7 +22,7 @@ from ..ops import get_ops
 from ..step import draft
 from ..tree import Tree
 from ..tuning import step_cost
-from . import distill
+from . import replay
 
 
 def budget_list(text):
@@ -45,12 +45,12 @@ def evaluate_heads(model, heads, rows, trees, K=8):
         part = rows if cat == "all" else [r for r in rows if (r.get("category") or "all") == cat]
         if not part:
             continue
-        cache = distill.build_cache(model, part, heads.token_map, top_k=1, num_heads=heads.num_heads)
-        ranks = distill.head_ranks(heads, model, cache, K)
-        lengths = distill.lengths_of(part)
+        cache = replay.build_cache(model, part, heads.token_map, top_k=1, num_heads=heads.num_heads)
+        ranks = replay.head_ranks(heads, model, cache, K)
+        lengths = replay.lengths_of(part)
         out[cat] = dict(answers=len(part), positions=int(cache["x"].shape[0]),
-                        acc=distill.accuracy(ranks, K).tolist(),
-                        tau={name: distill.simulate_tau(ranks, lengths, t) for name, t in trees.items()})
+                        acc=replay.accuracy(ranks, K).tolist(),
+                        tau={name: replay.simulate_tau(ranks, lengths, t) for name, t in trees.items()})
     return out
 
 
@@ -97,21 +97,21 @@ def choose_tree(model, heads, rows, budgets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32), 
     `min_speedup`, the one that accepts the most (highest τ) among those predicted at least that fast (the fastest
     if none is)."""
     rows = [r for r in rows if r["mode"] == "greedy"]
-    cache = distill.build_cache(model, rows, heads.token_map, top_k=1, num_heads=heads.num_heads)
-    return choose_tree_from_ranks(model, heads, distill.head_ranks(heads, model, cache), distill.lengths_of(rows),
+    cache = replay.build_cache(model, rows, heads.token_map, top_k=1, num_heads=heads.num_heads)
+    return choose_tree_from_ranks(model, heads, replay.head_ranks(heads, model, cache), replay.lengths_of(rows),
                                   budgets, reps, context, min_speedup)
 
 
 def choose_tree_from_ranks(model, heads, ranks, lengths, budgets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32), reps=7,
                            context=300, min_speedup=None):
-    """`choose_tree` on ranks [N, H] already computed (`distill.head_ranks`; lengths: positions per answer), e.g.
+    """`choose_tree` on ranks [N, H] already computed (`replay.head_ranks`; lengths: positions per answer), e.g.
     the ranks of several held-out sets concatenated."""
     trees = [Tree.root_only()] + [tree_from_ranks(ranks, b) for b in budgets]
     costs = step_cost(model, trees, batch=1, context=context, kernels="torch", reps=reps)
     drafting = drafting_costs(model, heads, trees[1:], reps)
     table = []
     for b, tree, c, draft_s in zip(budgets, trees[1:], costs[1:], drafting):
-        tau = distill.simulate_tau(ranks, lengths, tree)
+        tau = replay.simulate_tau(ranks, lengths, tree)
         ratio = (c + draft_s) / costs[0]
         table.append(dict(budget=b, nodes=tree.size, depth=tree.max_depth, tau_simulated=tau,
                           step_ms=1e3 * c, draft_ms=1e3 * draft_s, serial_step_ms=1e3 * costs[0], cost_ratio=ratio,

@@ -11,7 +11,7 @@ another). So the tree is chosen apart from training, from held-out answers:
 1. answers   this engine answers every prompt of the tuning sets and of the report sets greedily (resumable;
              `answers.write_answers`) — the tokens greedy MTP must reproduce
 2. ranks     at every answer position, the rank of each true next token among each head's candidates, scored as
-             the CPU decoder drafts (`distill.head_ranks`)
+             the CPU decoder drafts (`replay.head_ranks`)
 3. choose    for each budget, the tree that accepts the most on the tuning sets' ranks together
              (`measure.tree_from_ranks`); its step and drafting costs timed here in interleaved rounds (median);
              predicted speedup = simulated tau x serial step / (tree step + drafting); the shipped tree is the
@@ -38,7 +38,7 @@ import torch
 
 from ..cli import float_in, int_at_least
 from ..records import write_json
-from . import distill
+from . import distill, replay
 from .answers import read_prompts, write_answers
 from .measure import budget_list
 from .self_prompts import normalise
@@ -51,9 +51,9 @@ def _sets(spec):
 
 
 def tau_by_category(ranks, rows, trees):
-    """{category: {tree name: tau}} plus "all", from one set's ranks [N, H] (`distill.head_ranks` over `rows`'
+    """{category: {tree name: tau}} plus "all", from one set's ranks [N, H] (`replay.head_ranks` over `rows`'
     answers, concatenated in row order), so every subset is replayed from the same ranks instead of new ones."""
-    lengths = distill.lengths_of(rows)
+    lengths = replay.lengths_of(rows)
     starts = [0]
     for n in lengths:
         starts.append(starts[-1] + n)
@@ -61,7 +61,7 @@ def tau_by_category(ranks, rows, trees):
     for cat in sorted({r.get("category") or "all" for r in rows}) + ["all"]:
         idx = [j for j, r in enumerate(rows) if cat == "all" or (r.get("category") or "all") == cat]
         part = torch.cat([ranks[starts[j]:starts[j + 1]] for j in idx])
-        out[cat] = {name: distill.simulate_tau(part, [lengths[j] for j in idx], t) for name, t in trees.items()}
+        out[cat] = {name: replay.simulate_tau(part, [lengths[j] for j in idx], t) for name, t in trees.items()}
     return out
 
 
@@ -133,10 +133,10 @@ def run(args):
     t1 = time.time()
     ranks = {}                                    # once per set: the choice and the report both replay them
     for name in rows:
-        c = distill.build_cache(model, rows[name], heads.token_map, 1, num_heads=heads.num_heads)
-        ranks[name] = distill.head_ranks(heads, model, c)
+        c = replay.build_cache(model, rows[name], heads.token_map, 1, num_heads=heads.num_heads)
+        ranks[name] = replay.head_ranks(heads, model, c)
     tree, table = measure.choose_tree_from_ranks(
-        model, heads, torch.cat([ranks[n] for n in tune]), [k for n in tune for k in distill.lengths_of(rows[n])],
+        model, heads, torch.cat([ranks[n] for n in tune]), [k for n in tune for k in replay.lengths_of(rows[n])],
         budgets=args.budgets, reps=args.reps, min_speedup=args.min_speedup)
     t_choose = time.time() - t1
 
@@ -157,7 +157,7 @@ def run(args):
     info = dict(env, command=cmd, config={k: v for k, v in vars(args).items() if k not in ("func", "recipe")},
                 threads=torch.get_num_threads(), tune={n: len(rows[n]) for n in tune},
                 report={n: len(rows[n]) for n in report},
-                positions={n: sum(distill.lengths_of(r)) for n, r in rows.items()},
+                positions={n: sum(replay.lengths_of(r)) for n, r in rows.items()},
                 tree_nodes=tree.size, tree_depth=tree.max_depth, previous_tree_nodes=len(previous) + 1 if previous
                 else None, tau=tau, seconds=dict(answers=round(t_answers, 1), choose=round(t_choose, 1),
                                                  report=round(t_report, 1)))
