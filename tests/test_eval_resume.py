@@ -202,8 +202,7 @@ def loaded_embedded():
 
 # ---- failing early and clearly ----
 def test_unwritable_out_fails_before_any_compute(tmp_path, capsys, monkeypatch):
-    import mtp_triton.model
-    monkeypatch.setattr(mtp_triton.model, "load_model", lambda *a, **kw: pytest.fail("loaded a model"))
+    monkeypatch.setattr(ev, "load_bundle", lambda *a, **kw: pytest.fail("loaded a model"))   # what eval loads with
     taken = tmp_path / "taken"
     taken.write_text("a file")
     assert ev.main([*QUICK, "--out", str(taken / "eval")]) == 2
