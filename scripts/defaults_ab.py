@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mtp_triton as mt  # noqa: E402
 from mtp_triton.bench.common import append_rows, env_info  # noqa: E402
+from mtp_triton.records import md_table  # noqa: E402
 from mtp_triton.bench.hf_baseline import PROMPT_LOOKUP, hf_twin, time_hf  # noqa: E402
 from mtp_triton.bench.roofline import roofline_fields  # noqa: E402
 from mtp_triton.bundle import CHAT_PROMPTS, HEADS, SMOLLM2, encode, pick_prompts, read_prompts  # noqa: E402
@@ -39,8 +40,9 @@ def summary_lines(rows):
 
     def rate(sel):
         return sum(num(r, "new_tokens") - 1 for r in sel) / sum(num(r, "decode_s") for r in sel)
-    out = ["| dtype | configuration | decode tok/s | vs our serial | vs transformers | τ | verified nodes/step | "
-           "identical to our serial | worst prompt vs our serial |", "|---|---|---|---|---|---|---|---|---|"]
+    header = ["dtype", "configuration", "decode tok/s", "vs our serial", "vs transformers", "τ", "verified nodes/step",
+              "identical to our serial", "worst prompt vs our serial"]
+    body = []
     for name in dict.fromkeys(r["dtype"] for r in rows):
         mine = [r for r in rows if r["dtype"] == name]
         by = {c: [r for r in mine if r["config"] == c] for c in CONFIGS}
@@ -54,10 +56,10 @@ def summary_lines(rows):
             nodes = sum(num(r, "verified_nodes_per_step") for r in sel) / len(sel)
             nodes = f"{nodes:.1f}" if nodes == nodes else "–"
             same = sum(str(r["identical_to_serial"]) == "True" for r in sel)
-            out.append(f"| {name} | {c} | {rate(sel):.1f} | {rate(sel) / rate(by['serial']):.2f}× | "
-                       f"{rate(sel) / rate(by['transformers generate']):.2f}× | {tau} | {nodes} | "
-                       f"{same}/{len(sel)} | {worst:.2f}× |")
-    return out
+            body.append((name, c, f"{rate(sel):.1f}", f"{rate(sel) / rate(by['serial']):.2f}×",
+                         f"{rate(sel) / rate(by['transformers generate']):.2f}×", tau, nodes, f"{same}/{len(sel)}",
+                         f"{worst:.2f}×"))
+    return md_table(header, body).split("\n")
 
 
 def main(argv=None):

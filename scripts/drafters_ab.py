@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mtp_triton.bench.common import append_rows, env_info  # noqa: E402
+from mtp_triton.records import md_table  # noqa: E402
 from mtp_triton.bench.hf_baseline import hf_twin, time_hf  # noqa: E402
 from mtp_triton.bundle import SMOLLM2, encode, load_bundle, pick_prompts, read_prompts  # noqa: E402
 from mtp_triton.generate import generate  # noqa: E402
@@ -32,9 +33,10 @@ def summary_lines(rows):
     """Markdown table of drafters.csv rows, per prompt set and configuration (decode tokens / decode seconds)."""
     num = lambda r, k: float(r[k])                                          # noqa: E731
     rate = lambda sel: sum(num(r, "new_tokens") - 1 for r in sel) / sum(num(r, "decode_s") for r in sel)  # noqa
-    out = ["| prompts | configuration | decode tok/s | vs our serial | vs transformers | τ | acceptance d1 / d2 / d3 / "
-           "d4 / d5 / d6 | verified nodes/step | drafting share of step | identical to our serial |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+    header = ["prompts", "configuration", "decode tok/s", "vs our serial", "vs transformers", "τ",
+              "acceptance d1 / d2 / d3 / d4 / d5 / d6", "verified nodes/step", "drafting share of step",
+              "identical to our serial"]
+    body = []
     for ps in dict.fromkeys(r["prompt_set"] for r in rows):
         mine = [r for r in rows if r["prompt_set"] == ps]
         by = {c: [r for r in mine if r["config"] == c] for c in CONFIGS}
@@ -52,10 +54,10 @@ def summary_lines(rows):
                 share = f"{sum(num(r, 'draft_s') for r in sel) / sum(num(r, 'decode_s') for r in sel):.0%}"
                 nodes = f"{sum(num(r, 'verified_nodes_per_step') * num(r, 'steps') for r in sel) / steps:.1f}"
             same = sum(str(r["identical_to_serial"]) == "True" for r in sel)
-            out.append(f"| {ps} | {c} | {rate(sel):.1f} | {rate(sel) / rate(by['serial']):.2f}× | "
-                       f"{rate(sel) / rate(by['transformers generate']):.2f}× | {tau:.2f} | {acc} | {nodes} | {share} | "
-                       f"{same}/{len(sel)} |")
-    return out
+            body.append((ps, c, f"{rate(sel):.1f}", f"{rate(sel) / rate(by['serial']):.2f}×",
+                         f"{rate(sel) / rate(by['transformers generate']):.2f}×", f"{tau:.2f}", acc, nodes, share,
+                         f"{same}/{len(sel)}"))
+    return md_table(header, body).split("\n")
 
 
 def main(argv=None):

@@ -17,7 +17,7 @@ from collections import defaultdict
 
 from mtp_triton.demo import summarise_rows
 from mtp_triton.bench.pruning import summarise_rows as summarise_prune_rows
-from mtp_triton.records import write_text
+from mtp_triton.records import md_table, write_text
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEGIN, END = "<!-- results:begin (scripts/render_readme_results.py) -->", "<!-- results:end -->"
@@ -52,24 +52,23 @@ def demo_block(path):
             f"the heads (`--drafter medusa`) and their tree of {m['tree_size']} nodes")
     out = [f"**Main demo** (`{m['command']}`; {_stamp(m)}; {m['model']}, {m['dtype']}, {m['threads']} threads, "
            f"batch 1, up to {m['max_new_tokens']} new tokens, kernels {m['kernels']}, {what}; rows: `{rel}`):\n"]
-    if peer:
-        out += ["| category | prompts | transformers decode tok/s | our serial decode tok/s | MTP decode tok/s | "
-                "MTP vs serial | MTP vs transformers | τ | MTP identical to serial | transformers identical to serial |",
-                "|---|---|---|---|---|---|---|---|---|---|"]
-    else:
-        out += ["| category | prompts | serial decode tok/s | MTP decode tok/s | speedup | τ | identical |",
-                "|---|---|---|---|---|---|---|"]
+    header = (["category", "prompts", "transformers decode tok/s", "our serial decode tok/s", "MTP decode tok/s",
+               "MTP vs serial", "MTP vs transformers", "τ", "MTP identical to serial",
+               "transformers identical to serial"] if peer else
+              ["category", "prompts", "serial decode tok/s", "MTP decode tok/s", "speedup", "τ", "identical"])
+    body = []
     cats = [c for c in dict.fromkeys(r["category"] for r in rows) if c != "all"]
     for c in cats + ["all"]:
         s = summarise_rows([r for r in rows if c in ("all", r["category"])])
         name = f"**{c}**" if c == "all" else c
         if peer:
-            out.append(f"| {name} | {s['prompts']} | {s['hf_tok_s']:.1f} | {s['serial_tok_s']:.1f} | "
-                       f"{s['mtp_tok_s']:.1f} | {s['speedup']:.2f}× | {s['speedup_vs_hf']:.2f}× | {s['tau']:.2f} | "
-                       f"{s['identical']}/{s['prompts']} | {s['hf_identical']}/{s['prompts']} |")
+            body.append((name, s["prompts"], f"{s['hf_tok_s']:.1f}", f"{s['serial_tok_s']:.1f}",
+                         f"{s['mtp_tok_s']:.1f}", f"{s['speedup']:.2f}×", f"{s['speedup_vs_hf']:.2f}×", f"{s['tau']:.2f}",
+                         f"{s['identical']}/{s['prompts']}", f"{s['hf_identical']}/{s['prompts']}"))
         else:
-            out.append(f"| {name} | {s['prompts']} | {s['serial_tok_s']:.1f} | {s['mtp_tok_s']:.1f} | "
-                       f"{s['speedup']:.2f}× | {s['tau']:.2f} | {s['identical']}/{s['prompts']} |")
+            body.append((name, s["prompts"], f"{s['serial_tok_s']:.1f}", f"{s['mtp_tok_s']:.1f}",
+                         f"{s['speedup']:.2f}×", f"{s['tau']:.2f}", f"{s['identical']}/{s['prompts']}"))
+    out.append(md_table(header, body))
     if peer:
         out.append(f"\nBaselines, same run, each prompt in turn: `transformers` `generate(do_sample=False)` on the "
                    f"same weights and dtype, and our own serial loop; our serial loop runs at "
@@ -113,8 +112,8 @@ def eval_block(path):
     rows = _latest(rows, "commit") if "commit" in rows[0] else rows
     rel = os.path.relpath(path, ROOT)
     out = [f"**Evaluation harness** (`{rows[0]['command']}`; {_stamp(rows[0])}; greedy, batch 1; rows: `{rel}`, "
-           f"report: `{os.path.dirname(rel)}/report.md`):\n",
-           "| scenario | requests | decode tok/s off → on | speedup | τ | identical |", "|---|---|---|---|---|---|"]
+           f"report: `{os.path.dirname(rel)}/report.md`):\n"]
+    body = []
     for sc in sorted({r["scenario"] for r in rows}) + ["all"]:
         sel = [r for r in rows if sc in ("all", r["scenario"])]
         rate = {}
@@ -125,9 +124,9 @@ def eval_block(path):
         on = [r for r in sel if r["mode"] == "on"]
         tau = sum(int(r["new_tokens"]) - 1 for r in on) / max(sum(int(r["steps"]) for r in on), 1)
         same = sum(r["identical"] == "True" for r in on)
-        out.append(f"| {sc} | {len(on)} | {rate['off']:.1f} → {rate['on']:.1f} | {rate['on'] / rate['off']:.2f}× | "
-                   f"{tau:.2f} | {same}/{len(on)} |")
-    return out + [""]
+        body.append((sc, len(on), f"{rate['off']:.1f} → {rate['on']:.1f}", f"{rate['on'] / rate['off']:.2f}×",
+                     f"{tau:.2f}", f"{same}/{len(on)}"))
+    return out + [md_table(["scenario", "requests", "decode tok/s off → on", "speedup", "τ", "identical"], body), ""]
 
 
 def heads_block(path):
@@ -142,20 +141,16 @@ def heads_block(path):
                f"{rt['tree_nodes']} nodes, chosen by `train_heads retree` on {rt['device']} at commit {rt['commit']} "
                f"from the templated held-out answers and a hand-written tuning split, never these prompts; "
                f"`previous`: the {rt['previous_tree_nodes']}-node tree it replaced; "
-               f"`{os.path.relpath(retree, ROOT)}`, see the heads' card):\n",
-               "| category | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
-        for cat, t in per.items():
-            out.append(f"| {cat} | " + " | ".join(f"{t[n]:.2f}" for n in names) + " |")
-        return out + [""]
+               f"`{os.path.relpath(retree, ROOT)}`, see the heads' card):\n"]
+        return out + [md_table(["category", *names], [(cat, *(f"{t[n]:.2f}" for n in names))
+                                                      for cat, t in per.items()]), ""]
     ev = info["heldout"]["chat"]
     names = list(ev["all"]["tau"])
     rel = os.path.relpath(path, ROOT)
     out = [f"**SmolLM2 heads, τ on the hand-written held-out chat prompts** (greedy, exact replay of this engine's "
-           f"own answers; {info['steps']} training steps; `{rel}`, see the heads' card):\n",
-           "| category | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
-    for cat, e in ev.items():
-        out.append(f"| {cat} | " + " | ".join(f"{e['tau'][n]:.2f}" for n in names) + " |")
-    return out + [""]
+           f"own answers; {info['steps']} training steps; `{rel}`, see the heads' card):\n"]
+    return out + [md_table(["category", *names], [(cat, *(f"{e['tau'][n]:.2f}" for n in names))
+                                                  for cat, e in ev.items()]), ""]
 
 
 def sweep_block(path):
@@ -167,14 +162,10 @@ def sweep_block(path):
     r0 = rows[0]
     out = [f"**Depth sweep on SmolLM2** (`{r0.get('command', 'python -m mtp_triton tables')}`; {_stamp(r0)}; CPU, "
            f"bf16, batch 1; rows: `{rel}`; the NPU report's MTP-2/4/8 for Llama-7B on a BM1684 are beside it in "
-           f"`{os.path.dirname(rel)}/tables.md`):\n",
-           "| config | decode tok/s | ms / token | τ | speedup | identical |", "|---|---|---|---|---|---|"]
-    for r in rows:
-        if r.get("config") in (None, ""):
-            continue
-        out.append(f"| {r['config']} | {float(r['tokens_per_s']):.1f} | {float(r['ms_per_token']):.1f} | "
-                   f"{float(r['tau']):.2f} | {float(r['speedup']):.2f}× | {r.get('identical_to_serial', '')} |")
-    return out + [""]
+           f"`{os.path.dirname(rel)}/tables.md`):\n"]
+    body = [(r["config"], f"{float(r['tokens_per_s']):.1f}", f"{float(r['ms_per_token']):.1f}",
+             f"{float(r['tau']):.2f}", f"{float(r['speedup']):.2f}×", r.get("identical_to_serial", "")) for r in rows if r.get("config")]
+    return out + [md_table(["config", "decode tok/s", "ms / token", "τ", "speedup", "identical"], body), ""]
 
 
 def prune_block(path):
@@ -192,12 +183,9 @@ def prune_block(path):
         out += [f"**Confidence pruning, {sets.get(prompts, prompts)}** (`{r0['command']}`; {_stamp(r0)}; "
                 f"{r0['model']}, {r0['dtype']}, {r0['threads']} threads, batch 1, {n} prompts, up to "
                 f"{r0['max_new_tokens']} new tokens, the heads' tree of {r0['tree_size']} nodes; rows: `{rel}`):\n",
-                "| configuration | decode tok/s | speedup | τ | verified nodes / step | identical |",
-                "|---|---|---|---|---|---|"]
-        for c, s in summarise_prune_rows(run).items():
-            out.append(f"| {c} | {s['tok_s']:.1f} | {s['speedup']:.2f}× | {s['tau']:.2f} | {s['nodes']:.1f} | "
-                       f"{s['identical']}/{s['prompts']} |")
-        out.append("")
+                md_table(["configuration", "decode tok/s", "speedup", "τ", "verified nodes / step", "identical"],
+                         [(c, f"{s['tok_s']:.1f}", f"{s['speedup']:.2f}×", f"{s['tau']:.2f}", f"{s['nodes']:.1f}",
+                           f"{s['identical']}/{s['prompts']}") for c, s in summarise_prune_rows(run).items()]), ""]
     return out
 
 
@@ -221,8 +209,8 @@ def aot_block(path):
            f"{r0['commit']}; {len(rows)} launches; `{rel}`, summary `results/aot/aot.md`). Worst case per kernel "
            "over the launch matrix (Llama-2-7B, Llama-3-8B, Mistral-7B, SmolLM2-135M, Vicuna-7B Medusa heads; "
            "bf16/fp16; batch, tree and context sizes): registers / spill bytes / shared KB, tensor-core instructions. "
-           "Compile-time facts, not timings.\n",
-           "| kernel | " + " | ".join(targets) + " |", "|---" * (len(targets) + 1) + "|"]
+           "Compile-time facts, not timings.\n"]
+    body = []
     for kernel in sorted({r["kernel"] for r in rows if r["kernel"] not in ("", "-")}):
         cells = []
         for t in targets:
@@ -233,8 +221,8 @@ def aot_block(path):
             tc = "/".join(sorted(k["tc"])) or "no MMA"
             fail = "" if k["ok"] == k["n"] else f", {k['n'] - k['ok']} failed"
             cells.append(f"{k['regs']} / {k['spill']} / {k['shared'] // 1024}, {tc}{fail}")
-        out.append(f"| `{kernel}` | " + " | ".join(cells) + " |")
-    return out + [""]
+        body.append((f"`{kernel}`", *cells))
+    return out + [md_table(["kernel", *targets], body), ""]
 
 
 def defaults_block(path):
