@@ -85,6 +85,8 @@ def test_eval_command_quick_end_to_end(tiny_dir, tmp_path, capsys):
     for text in ("quality gate: **PASS**", "edge inputs: **PASS**", "long-run stability: **PASS**", "CPU numbers",
                  "## 3. Performance", "## 5. Parameter sensitivity", "| width-2 |", "| chain-2 |", "acc d1"):
         assert text in report, text
+    heads = mt.load_heads(os.path.join(tiny_dir, "heads"))                 # the heads, not the tree's depth
+    assert f"; {heads.num_heads} heads (" in report and heads.num_heads != get_tree(None, heads.num_heads).max_depth
     k, off, on, speedup = ev.ab_table(rows)[-1]                          # the tables recomputed from the CSV rows
     assert k == "all" and f"| all | 10 | {off['decode_tokens_per_s']:.2f} | {on['decode_tokens_per_s']:.2f} | " \
                           f"{speedup:.2f} |" in report

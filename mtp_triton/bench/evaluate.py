@@ -171,7 +171,7 @@ def evaluate(model, heads, tok, cfg=None, heads_dir=None, csv_path=None, command
         h.compat(scenarios)
     info = dict(device=h.env["device"], interpreter=h.env["interpreter"], tree=cfg.tree,
                 tree_size=h.base["tree_size"], tree_depth=h.base["tree_depth"], drafter=h.base["drafter"],
-                num_heads=h.base["tree_depth"], dtype=str(model.dtype).replace("torch.", ""),
+                num_heads=getattr(heads, "num_heads", None), dtype=str(model.dtype).replace("torch.", ""),
                 heads_bytes=sum(p.numel() * p.element_size() for p in heads.parameters()),
                 model_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
                 context=h.ctx, temperature=cfg.temperature, top_p=cfg.top_p, kernels=cfg.kernels,
