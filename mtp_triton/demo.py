@@ -25,6 +25,7 @@ from .bench.roofline import roofline_fields
 from .cli import error, float_in, int_at_least
 from .generate import RuntimeConfig, generate
 from .mtp_module import MTPModule
+from .ops import KINDS
 from .records import append_rows, ensure_writable_dir, env_info
 from .bundle import (CHAT_PROMPTS, DEFAULT_DRAFTER, DRAFTERS, PROMPTS, SMOLLM2, check_tree_name, cli_drafter,
                      describe_drafter, encode, generate_tree, heads_dir_for, load_bundle, pick_prompts, pick_tree,
@@ -103,7 +104,7 @@ def demo(argv=None):
                     "machine), 'tuned' (to the heads' accuracies) or a preset name")
     ap.add_argument("--prune-below", type=PROBABILITY, default=None, metavar="P", help="confidence pruning: verify only "
                     "drafted nodes whose path probability under the heads is >= P (RuntimeConfig.prune_below; off)")
-    ap.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"])
+    ap.add_argument("--kernels", default="auto", choices=KINDS)
     ap.add_argument("--dtype", default=None, choices=["bf16", "fp32"])
     ap.add_argument("--device", default=None)
     ap.add_argument("--out", default=os.path.join("out", "demo"))
@@ -245,7 +246,7 @@ def text_generate(argv=None):
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"])
+    ap.add_argument("--kernels", default="auto", choices=KINDS)
     ap.add_argument("--dtype", default=None, choices=["bf16", "fp32"])
     ap.add_argument("--device", default=None)
     a = ap.parse_args(argv)

@@ -76,7 +76,7 @@ class HeadsDrafter:
         # the rows drafting scores: the model's LM head [V, D], the heads' own [H, V, D], or a draft vocabulary's
         # rows [V', D] with token_map [V'] mapping row -> token id (all prepared once, here)
         self.lm_head, self.token_map = heads.draft_weights(model.lm_head.weight)
-        cpu_twins = getattr(ops, "kind", None) == "torch" and dev.type == "cpu"
+        cpu_twins = getattr(ops, "kind", None) in ("torch", "compiled") and dev.type == "cpu"
         if draft_dtype is None:
             draft_dtype = torch.bfloat16 if cpu_twins and (dt == torch.bfloat16 or (
                 dt == torch.float32 and native_bf16())) else dt

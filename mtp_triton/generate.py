@@ -218,7 +218,7 @@ def _size_by_cost(runtime, drafter, device, ops, cuda_graph, pinned):
             raise ValueError("RuntimeConfig.size_by_cost changes the verified tree every step; it cannot be "
                              "combined with cuda_graph=True (one captured graph per tree size)")
         return True
-    return flag is None and not pinned and probs and device.type == "cpu" and ops.kind == "torch" and not cuda_graph
+    return flag is None and not pinned and probs and device.type == "cpu" and ops.kind in ("torch", "compiled") and not cuda_graph
 
 
 _PROBED = {}

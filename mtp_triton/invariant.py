@@ -22,7 +22,8 @@ machine, and `generate` warns once if it fails.
   - a node's scores are bf16 matmul outputs (the same bits whichever call computes them), its softmax uses its exact
     max, p = exp(s * scale - max) is rounded to bf16;
   - each chunk's partial sum_j p_j v_j is one bf16 matmul over exactly that chunk's C positions, and sum_j p_j one
-    fixed-length reduction over them, so both are the same whether the chunk's keys came from the cache or the tree;
+    fixed pairwise sum over them (`chunk_sum`), so both are the same whether the chunk's keys came from the cache or
+    the tree;
   - the partials are added in position order by a sequential (double-accumulating) cumsum; chunks a node cannot see
     are exact zeros, and adding zeros changes nothing.
 Chunks wholly below the earliest tree position are computed for all nodes at once from the cache ("shared"); the last
@@ -104,9 +105,13 @@ def plan(block_table, cache_lens, tree_mask, block_size, window=None):
     depth = mask.sum(-1) - 1                                                       # [B, T]
     n = cache_lens.long()                                                          # [B]
     pos = n[:, None] + depth                                                       # [B, T] position of each node
-    start = (n // CHUNK) * CHUNK                                                   # [B] first tail position
+    # [B] first tail position. The shared part is 0 or at least 2 chunks and the tail at least 2 chunks: a chunk count
+    # of 1 would make torch.compile specialise the graph on it (compiled.py). Where a chunk's keys come from does not
+    # change its partial sums (see above), so the boundary moves no bit.
+    start = (n // CHUNK) * CHUNK
+    start = torch.where(start >= 2 * CHUNK, start, 0)
     n_shared = int(start.max())
-    W = int(((n - start).max() + depth.max() + 1 + CHUNK - 1) // CHUNK) * CHUNK
+    W = max(2 * CHUNK, int(((n - start).max() + depth.max() + 1 + CHUNK - 1) // CHUNK) * CHUNK)
 
     def slot(p):                                    # flat cache slot of cached positions p [B, X] (p < n)
         blk = block_table.long().gather(1, (p // block_size).clamp(max=block_table.shape[1] - 1))
@@ -139,6 +144,17 @@ def plan(block_table, cache_lens, tree_mask, block_size, window=None):
                 bias(tail_ok))
 
 
+def chunk_sum(e):
+    """e [..., C] -> [...]: sum over the last dim (a power of two) in one fixed pairwise order, halving:
+    e[..., :C/2] + e[..., C/2:], then again. Element-wise adds fix the order, so a row's sum has the same bits in
+    every call and in compiled code (`sum(-1)` leaves the order to the kernel, which may vectorize a reduction one
+    way for one shape and another way for another: seen with torch.compile on 1 vs 2 tree nodes)."""
+    while e.shape[-1] > 1:
+        half = e.shape[-1] // 2
+        e = e[..., :half] + e[..., half:]
+    return e[..., 0]
+
+
 def attention(q, k_cache, v_cache, k_tree, v_tree, p, sm_scale=None, finite=False):
     """q [B, T, Hq, Dh]; k_cache, v_cache [NB, BS, Hkv, Dh] (one layer); k_tree, v_tree [B, T, Hkv, Dh]; p: Plan.
     -> out [B, T, Hq, Dh] in q's dtype. finite=True: the caches hold no NaN/inf anywhere (the engine's own caches),
@@ -146,7 +162,7 @@ def attention(q, k_cache, v_cache, k_tree, v_tree, p, sm_scale=None, finite=Fals
     Layout inside: KV-head-major, [Hkv, B, T, G, .], so every gather lands contiguous for the matmuls."""
     B, T, Hq, Dh = q.shape
     Hkv = k_cache.shape[2]
-    G, C, W, S = Hq // Hkv, CHUNK, p.W, p.n_shared
+    G, C, W, S = Hq // Hkv, CHUNK, p.tail_src.shape[2], p.shared_slots.shape[1]   # symbolic under torch.compile
     dt = q.dtype
     scale = Dh ** -0.5 if sm_scale is None else sm_scale
     kc = k_cache.reshape(-1, Hkv, Dh).permute(1, 0, 2)                             # [Hkv, slots, Dh] (a view)
@@ -174,12 +190,12 @@ def attention(q, k_cache, v_cache, k_tree, v_tree, p, sm_scale=None, finite=Fals
     # chunk partials, in position order: o_c = p_c @ v_c (one bf16 matmul per chunk of C positions), l_c = sum p_c
     e_t = torch.exp(s_tail - m[..., None]).to(dt).view(Hkv, B, T, G, W // C, C)
     o = [(e_t.transpose(3, 4) @ vt.view(Hkv, B, T, W // C, C, Dh)).transpose(3, 4)]   # [Hkv, B, T, G, Wc, Dh]
-    l = [e_t.float().sum(-1)]                                                      # [Hkv, B, T, G, Wc]
+    l = [chunk_sum(e_t.float())]                                                   # [Hkv, B, T, G, Wc]
     if S:
         e_s = torch.exp(s_sh - m[..., None]).to(dt).view(Hkv, B, T * G, S // C, C).transpose(2, 3)
         o_s = (e_s @ vs.view(Hkv, B, S // C, C, Dh)).transpose(2, 3)              # [Hkv, B, T*G, Sc, Dh]
         o.insert(0, o_s.reshape(Hkv, B, T, G, S // C, Dh))
-        l.insert(0, e_s.transpose(2, 3).float().sum(-1).view(Hkv, B, T, G, S // C))
+        l.insert(0, chunk_sum(e_s.transpose(2, 3).float()).view(Hkv, B, T, G, S // C))
     o = torch.cumsum(torch.cat(o, 4).double(), 4)[..., -1, :]                      # sequential, position order
     l = torch.cumsum(torch.cat(l, 4).double(), 4)[..., -1]
     out = (o / l[..., None]).to(dt)                                                # [Hkv, B, T, G, Dh]

@@ -17,6 +17,7 @@ layer: each node attends to the whole cache plus its ancestors (`tree_attention`
 per-step tree buffers k_tree/v_tree [L, B, T, Hkv, Dh]; `kv_append` later copies the accepted ones.
 """
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -90,6 +91,61 @@ def _linear(layer, x):
     return layer(x)
 
 
+@dataclass
+class Paged:
+    """Attention through the ops' `tree_attention` over the paged cache (the plain path of `layer`)."""
+    ops: object
+    block_table: torch.Tensor       # [B, max_blocks] int32
+    cache_lens: torch.Tensor        # [B] int32
+    tree_mask: torch.Tensor         # [T, T] or [B, T, T] bool
+    window: int | None              # this layer's sliding window
+    check_values: bool
+
+
+def layer(x, cos, sin, blk, packed, k_cache, v_cache, k_tree, v_tree, attend):
+    """One decoder layer over T nodes per sequence: x [B, T, D] -> x [B, T, D]; writes the nodes' K/V to k_tree,
+    v_tree [B, T, Hkv, Dh] (this layer's tree buffers). The body of `forward_tree`; the "compiled" kind of ops
+    runs this same function through `torch.compile` (mtp_triton/compiled.py).
+
+    cos, sin [B, T, 1, Dh]; blk: the layer's Block (norms; its nn.Linear layers when packed is None); packed: its
+    (qkv, o, gate_up, down) packed linears, or None; k_cache, v_cache [NB, BS, Hkv, Dh]: this layer's cache.
+    attend: an `invariant.Plan` (exact: batch-invariant attention, and linear layers that never see one row alone
+    or more than invariant.MATMUL_ROWS rows) or a `Paged` (the ops' tree_attention, plain linear layers).
+        h = RMSNorm(x);  q, k, v = h Wq, h Wk, h Wv;  q, k = RoPE(q), RoPE(k);  x = x + Attn(q, K, V) Wo
+        h = RMSNorm(x);  x = x + (silu(h Wg) * h Wu) Wd
+    """
+    B, T, _ = x.shape
+    Hkv, Dh = k_cache.shape[-2:]
+    Hq = blk.q_proj.out_features // Dh
+    exact = isinstance(attend, invariant.Plan)
+    lin = invariant.linear if exact else _linear
+    h = blk.input_layernorm(x)
+    if packed:
+        q, k, v = lin(packed[0], h).split([Hq * Dh, Hkv * Dh, Hkv * Dh], -1)
+    else:
+        q, k, v = lin(blk.q_proj, h), lin(blk.k_proj, h), lin(blk.v_proj, h)
+    q, k, v = q.reshape(B, T, Hq, Dh), k.reshape(B, T, Hkv, Dh), v.reshape(B, T, Hkv, Dh)
+    if hasattr(blk, "q_norm"):                                             # Qwen3: per head, over Dh
+        q, k = blk.q_norm(q), blk.k_norm(k)
+    q = q * cos + rotate_half(q) * sin
+    k = k * cos + rotate_half(k) * sin
+    k_tree.copy_(k)
+    v_tree.copy_(v)
+    if exact:
+        o = invariant.attention(q.contiguous(), k_cache, v_cache, k_tree, v_tree, attend, finite=True)
+    else:
+        o = attend.ops.tree_attention(q.contiguous(), k_cache, v_cache, attend.block_table, attend.cache_lens,
+                                      k_tree, v_tree, attend.tree_mask, window=attend.window,
+                                      check_values=attend.check_values)            # [B, T, Hq, Dh]
+    x = x + lin(packed[1] if packed else blk.o_proj, o.reshape(B, T, Hq * Dh))
+    h = blk.post_attention_layernorm(x)
+    if packed:
+        g, u = lin(packed[2], h).chunk(2, -1)
+    else:
+        g, u = lin(blk.gate_proj, h), lin(blk.up_proj, h)
+    return x + lin(packed[3] if packed else blk.down_proj, F.silu(g) * u)
+
+
 class PagedKVCache:
     """k, v [L, NB, BS, Hkv, Dh]; block_table [B, max_blocks] int32; cache_lens [B] int32.
 
@@ -152,8 +208,11 @@ class LlamaEngine(nn.Module):
         return emb.cos().to(self.dtype)[:, :, None, :], emb.sin().to(self.dtype)[:, :, None, :]
 
     def exact_mode(self, ops):
-        """Batch-invariant decoding (mtp_triton/invariant.py): on for bf16/fp16 models on CPU with the PyTorch
-        twins, where it makes MTP steps bit-identical to serial ones (fp32/fp64 use the plain twins)."""
+        """Batch-invariant decoding (mtp_triton/invariant.py), which makes MTP steps bit-identical to serial ones:
+        always with the compiled kind of ops (a CPU path), and for bf16/fp16 models on CPU with the PyTorch twins
+        (fp32/fp64 there use the plain twins, whose greedy output matches serial decoding in practice)."""
+        if ops.kind == "compiled":
+            return True
         return self.dtype in (torch.bfloat16, torch.float16) and self.device.type == "cpu" and ops.kind == "torch"
 
     @torch.no_grad()
@@ -174,56 +233,36 @@ class LlamaEngine(nn.Module):
         """
         cfg = self.config
         B, T = positions.shape
-        Hq, Hkv, Dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        Hkv, Dh = cfg.num_key_value_heads, cfg.head_dim
         block_table, cache_lens = cache.block_table[rows], cache.cache_lens[rows]
         k_tree = torch.empty(cfg.num_hidden_layers, B, T, Hkv, Dh, dtype=self.dtype, device=self.device)
         v_tree = torch.empty_like(k_tree)
         cos, sin = self.rope(positions)
         x = self.embed_tokens(tokens) if embeds is None else embeds            # [B, T, D]
         exact = self.exact_mode(ops) if exact is None else exact
-        lin = invariant.linear if exact else _linear
         packed = packed_layers(self)                # None: the nn.Linear layers (bf16: the same bits, slower)
-        nq, nkv = Hq * Dh, Hkv * Dh
+        # the compiled kind runs `layer` compiled for one sequence of up to invariant.MATMUL_ROWS nodes (the decode
+        # case it is measured and tested on); batches and bigger trees run it eagerly (compiled.py says why)
+        run = getattr(ops, "layer", layer) if exact and B == 1 and T <= invariant.MATMUL_ROWS else layer
         plans = {}                                  # exact: one attention plan per distinct window, for all layers
         for l, blk in enumerate(self.layers):
-            h = blk.input_layernorm(x)
-            if packed:
-                q, k, v = lin(packed.qkv[l], h).split([nq, nkv, nkv], -1)
-            else:
-                q, k, v = lin(blk.q_proj, h), lin(blk.k_proj, h), lin(blk.v_proj, h)
-            q, k, v = q.reshape(B, T, Hq, Dh), k.reshape(B, T, Hkv, Dh), v.reshape(B, T, Hkv, Dh)
-            if cfg.qk_norm:
-                q, k = blk.q_norm(q), blk.k_norm(k)                            # per head, over Dh
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
-            k_tree[l], v_tree[l] = k, v
+            w = cfg.window(l)
             if exact:
-                w = cfg.window(l)
                 if w not in plans:
                     plans[w] = invariant.plan(block_table, cache_lens, tree_mask, cache.block_size, w)
-                o = invariant.attention(q.contiguous(), cache.k[l], cache.v[l], k_tree[l], v_tree[l], plans[w],
-                                        finite=True)
+                attend = plans[w]
             else:
-                o = ops.tree_attention(q.contiguous(), cache.k[l], cache.v[l], block_table, cache_lens,
-                                       k_tree[l], v_tree[l], tree_mask, window=cfg.window(l),
-                                       check_values=check_values and l == 0)   # [B, T, Hq, Dh]
-            o = o.reshape(B, T, Hq * Dh)
-            x = x + lin(packed.o[l] if packed else blk.o_proj, o)
-            h = blk.post_attention_layernorm(x)
-            if packed:
-                g, u = lin(packed.gate_up[l], h).chunk(2, -1)
-            else:
-                g, u = lin(blk.gate_proj, h), lin(blk.up_proj, h)
-            x = x + lin(packed.down[l] if packed else blk.down_proj, F.silu(g) * u)
+                attend = Paged(ops, block_table, cache_lens, tree_mask, w, check_values and l == 0)
+            x = run(x, cos, sin, blk, packed.layer(l) if packed else None, cache.k[l], cache.v[l], k_tree[l],
+                    v_tree[l], attend)
         return self.norm(x), k_tree, v_tree
 
     def logits(self, hidden):
-        """hidden [..., D] -> logits [..., V]. bf16/fp16 on CPU: the rows go through `invariant.linear` (never one
-        row alone, never more than invariant.MATMUL_ROWS at once), so a serial step rounds like a tree step."""
-        half_cpu = self.dtype in (torch.bfloat16, torch.float16) and self.device.type == "cpu"
+        """hidden [..., D] -> logits [..., V]. On a CPU the rows go through `invariant.linear` (never one row alone,
+        never more than invariant.MATMUL_ROWS at once), so a serial step rounds like a tree step in every dtype."""
         packed = packed_layers(self)
         head = packed.lm_head if packed else self.lm_head
-        return invariant.linear(head, hidden) if half_cpu else head(hidden)
+        return invariant.linear(head, hidden) if self.device.type == "cpu" else head(hidden)
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod

@@ -1,7 +1,13 @@
 """Kernel dispatch: the engine calls `ops.<name>` and gets the Triton kernel or its PyTorch twin.
 
-kernels = "triton" | "torch" | "auto" (triton on a CUDA device, torch on CPU). The two sets have the
-same signatures, so swapping them changes nothing but speed (and fp rounding).
+kernels (KINDS):
+    "triton"    the Triton kernels (a CUDA device, or Triton's interpreter on a CPU)
+    "torch"     their PyTorch twins, eager (for teaching and debugging)
+    "compiled"  the twins, with the decoder layer compiled by torch.compile on a CPU (mtp_triton/compiled.py); it
+                runs the batch-invariant numerics in every dtype, so MTP steps are bit-identical to serial ones
+    "auto"      triton on a CUDA device; on a CPU compiled where a C++ compiler is found (compiled.available()),
+                else torch
+The sets have the same signatures, so swapping them changes nothing but speed (and fp rounding).
 """
 from types import SimpleNamespace
 
@@ -9,10 +15,18 @@ from . import reference
 from .kernels import KERNELS, interpreter_enabled, launcher
 
 NAMES = tuple(KERNELS)
+KINDS = ("auto", "torch", "compiled", "triton")
 
 
 def torch_ops():
     return SimpleNamespace(kind="torch", **{n: getattr(reference, n) for n in NAMES})
+
+
+def compiled_ops(device="cpu"):
+    if str(device).startswith("cuda"):
+        raise ValueError("kernels='compiled' is the CPU path; on a CUDA device use 'triton' (with cuda_graph=True)")
+    from .compiled import compiled_layer
+    return SimpleNamespace(kind="compiled", layer=compiled_layer(), **{n: getattr(reference, n) for n in NAMES})
 
 
 def triton_ops(device="cuda"):
@@ -24,8 +38,11 @@ def triton_ops(device="cuda"):
 
 
 def get_ops(kernels="auto", device="cpu"):
-    if kernels not in ("auto", "torch", "triton"):
-        raise ValueError(f"kernels must be 'auto', 'torch' or 'triton', got {kernels!r}")
+    if kernels not in KINDS:
+        raise ValueError(f"kernels must be one of {', '.join(map(repr, KINDS))}, got {kernels!r}")
     if kernels == "auto":
-        kernels = "triton" if str(device).startswith("cuda") else "torch"
+        from .compiled import available
+        kernels = "triton" if str(device).startswith("cuda") else "compiled" if available() else "torch"
+    if kernels == "compiled":
+        return compiled_ops(device)
     return triton_ops(device) if kernels == "triton" else torch_ops()

@@ -37,7 +37,7 @@ class GenerateStats:
     decode_tokens_per_s: float      # decode tokens / (total_s - ttft_s)
     peak_memory_bytes: int          # CUDA: max allocated in the call; CPU: the process's RSS high-water mark
     energy_j: float                 # GPU energy over the call from NVML (None where it cannot be measured)
-    kernels: str                    # "triton" or "torch": which implementation ran
+    kernels: str                    # "triton", "torch" or "compiled": which implementation ran
     tree_size: int                  # nodes of the full candidate tree, root included (1 = serial)
     verified_nodes_per_step: float  # mean nodes per verify forward, root included (< tree_size with pruning or
                                     #   a shallower runtime depth; nan without steps)

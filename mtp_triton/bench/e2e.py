@@ -28,6 +28,7 @@ import torch
 
 from ..drafters import OracleDrafter
 from ..generate import generate
+from ..ops import KINDS
 from ..model import LlamaEngine, ModelConfig
 from ..mtp_module import MTPModule, is_module_folder
 from ..stats import gpu_energy_j  # noqa: F401  (kept importable as e2e.gpu_energy_j)
@@ -383,7 +384,7 @@ def add_target_args(ap):
     ap.add_argument("--profile", default="consumer80", help="synthetic acceptance profile for llama7b (consumer80, "
                     "0.9, ...)")
     ap.add_argument("--max-new-tokens", type=int_at_least(1), default=None)
-    ap.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"])
+    ap.add_argument("--kernels", default="auto", choices=KINDS)
 
 
 def target_from_args(a, cpu_note):

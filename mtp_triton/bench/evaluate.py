@@ -60,6 +60,7 @@ from ..bundle import (DEFAULT_DRAFTER, DRAFTERS, EMBEDDED, ROOT, SMOLLM2, cli_dr
 from ..cli import error, run
 from ..generate import RuntimeConfig, generate
 from ..loading import SHORT_NAMES
+from ..ops import KINDS
 from ..sampling import check_temperature
 from .common import append_rows, ensure_writable_dir, int_at_least, output_lock, resume_rows
 from .eval_harness import Harness, row_key, sweep_tree_names
@@ -208,7 +209,7 @@ def build_parser():
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"])
+    ap.add_argument("--kernels", default="auto", choices=KINDS)
     ap.add_argument("--dtype", default=None, choices=["bf16", "fp32"], help="default as the demo: bf16 for SmolLM2 "
                     "on a CPU (the engine's exact mode), else the checkpoint's")
     ap.add_argument("--device", default=None)

@@ -26,6 +26,7 @@ import torch
 
 from ..cli import error, run
 from ..generate import RuntimeConfig, generate
+from ..ops import KINDS
 from ..bundle import (ROOT, SMOLLM2, cli_drafter, describe_drafter, encode, heads_dir_for, load_bundle, pick_prompts,
                       pick_tree, read_prompts, tree_size)
 from .common import (KeptRows, append_rows, ensure_writable_dir, env_info, int_at_least, output_lock, resume_rows,
@@ -114,7 +115,7 @@ def build_parser():
     ap.add_argument("--tree", default="stored", help="as the demo's --tree")
     ap.add_argument("--thresholds", default=",".join(f"{t:g}" for t in THRESHOLDS),
                     help="comma-separated prune_below values in (0, 1]")
-    ap.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"])
+    ap.add_argument("--kernels", default="auto", choices=KINDS)
     ap.add_argument("--out", default=os.path.join("out", "prune"))
     ap.add_argument("--resume", action="store_true", help="skip the prompts whose rows <out>/prune.csv already "
                     "holds (same model, heads, tree, token count, kernels and device)")

@@ -38,7 +38,7 @@ import sys
 import torch
 
 from ..generate import prefill
-from ..ops import get_ops
+from ..ops import KINDS, get_ops
 from ..tree import Tree
 from . import e2e
 from ..cli import error, run
@@ -323,7 +323,7 @@ def main(argv=None):
                          "names, probabilities (0.8) or per-depth lists (0.9/0.8/0.7)")
     ap.add_argument("--max-new-tokens", type=int_at_least(1), default=None)
     ap.add_argument("--num-prompts", type=int_at_least(1), default=None)
-    ap.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"])
+    ap.add_argument("--kernels", default="auto", choices=KINDS)
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--resume", action="store_true", help="skip the suites whose rows <out>/tables.csv already "
                     "holds (same weights, settings and device)")

@@ -13,6 +13,7 @@ import time
 import torch
 
 from mtp_triton.cli import int_at_least
+from mtp_triton.ops import KINDS
 from mtp_triton.records import env_info, write_json
 from mtp_triton.tree import get_tree
 from mtp_triton.training.data import prompt_ids
@@ -210,7 +211,7 @@ def add_arguments(e):
     e.add_argument("--prompt-max", type=int_at_least(1), default=512, help="keep the last N tokens of each prompt")
     e.add_argument("--trees", nargs="+", default=["chain-2", "chain-4", "chain-8", "medusa-8", "medusa-16",
                                                    "medusa-32", "medusa-64", "tuned-16", "tuned-32", "tuned-64"])
-    e.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"])
+    e.add_argument("--kernels", default="auto", choices=KINDS)
     e.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     e.add_argument("--threads", type=int_at_least(1), default=2)
     e.add_argument("--tree-budget", type=int_at_least(1), default=None,
