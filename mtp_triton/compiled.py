@@ -29,6 +29,7 @@ loads it in a second or two. MTP_TRITON_COMPILE=0 makes kernels="auto" pick the 
 import functools
 import os
 import shutil
+import time
 
 import torch
 
@@ -52,4 +53,33 @@ def compiled_layer():
     process-wide dynamo setting; it never lowers a limit set higher)."""
     cfg = torch._dynamo.config
     cfg.recompile_limit = max(cfg.recompile_limit, 64)
+    # no duck sizing: two sizes that happen to be equal when first traced (a 64-wide tail and head_dim 64) would share
+    # one symbol, and the graph would be compiled again whenever they differ
+    torch.fx.experimental._config.use_duck_shape = False
     return torch.compile(layer, dynamic=True)
+
+
+_WARM = set()
+
+
+@torch.no_grad()
+def warm_up(model, ops):
+    """Compile every graph a batch-1 generation can need, before it is timed: the serial step (T = 1) and tree
+    steps (T > 1), each with an empty shared cache and with shared chunks, at two tail widths. Once per process and
+    (dtype, model shape); a no-op afterwards. Returns the seconds it took (0.0 when already warm)."""
+    cfg = model.config
+    key = (model.dtype, str(model.device), cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+           cfg.head_dim, cfg.intermediate_size, cfg.qk_norm, cfg.qkv_bias, cfg.attention_bias, cfg.mlp_bias)
+    if key in _WARM:
+        return 0.0
+    t0 = time.perf_counter()
+    for n in (0, 40, 140):                          # no shared chunk (tail 64 or 96 wide); shared chunks
+        cache = model.new_cache([n + 64])              # several blocks (a size of 1 would be a graph of its own)
+        cache.cache_lens.fill_(n)
+        for T in (1, 2, 7):
+            depth = torch.arange(T, device=model.device)
+            mask = torch.tril(torch.ones(T, T, dtype=torch.bool, device=model.device))
+            model.forward_tree(torch.zeros(1, T, dtype=torch.long, device=model.device), n + depth[None], mask,
+                               cache, torch.zeros(1, dtype=torch.long, device=model.device), ops, check_values=False)
+    _WARM.add(key)
+    return time.perf_counter() - t0

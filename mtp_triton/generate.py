@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import invariant
+from . import compiled, invariant
 from .drafters import HeadsDrafter
 from .drafters_mtp import ModuleDrafter
 from .mtp_module import MTPModule
@@ -110,6 +110,8 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
     if cuda_graph and dev.type != "cuda":
         raise ValueError("cuda_graph=True needs the model on a CUDA device")
     ops = get_ops(kernels, dev)
+    if ops.kind == "compiled" and len(prompts) == 1:
+        compiled.warm_up(model, ops)            # compiles the step's graphs once per process, before any timing
     if mtp and drafter is None and heads is not None:
         drafter = ModuleDrafter(heads, model, ops) if isinstance(heads, MTPModule) else HeadsDrafter(heads, model, ops)
     if not mtp:
