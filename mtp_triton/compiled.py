@@ -16,7 +16,9 @@ Batch 1, up to 32 nodes. A batch of several sequences, or a tree of more than in
 linear layers go in pieces of 32 rows), runs the same function eagerly. Compiled, a bf16 tree step of 3 sequences
 was seen not to round like their serial steps (one token of 120 differed in tests/test_compiled.py's batch case),
 which batch 1 never showed; the cause (a reduction that inductor vectorizes differently for another row count is
-the likely one) is not found yet.
+the likely one) is not found yet. And eager and compiled bf16 round differently (inductor fuses the element-wise
+work), so under kernels="compiled" a prompt decoded alone and the same prompt in a batch can differ at a near-tie:
+this is why kernels="auto" stays eager on a CPU and the compiled kind is asked for by name.
 
 Exact numerics in every dtype. The compiled kind always runs the batch-invariant path (`invariant.attention`,
 `invariant.linear`): a tree step is bit-identical to serial steps in bf16 and in fp32, because both run the same
@@ -24,7 +26,7 @@ compiled code and every reduction follows absolute positions, not the node count
 
 Compile time: about 10-30 s on first use per (dtype, model shape) on a 2-core CPU; inductor keeps the compiled code
 in its on-disk cache (TORCHINDUCTOR_CACHE_DIR, by default a folder under the system's temp dir), so a later process
-loads it in a second or two. MTP_TRITON_COMPILE=0 makes kernels="auto" pick the eager twins instead.
+loads it in a second or two.
 """
 import functools
 import os
@@ -36,11 +38,9 @@ import torch
 from .model import layer
 
 
-def available(force=False):
-    """Does kernels='auto' compile here: a C++ compiler for inductor (g++, or $CXX), and MTP_TRITON_COMPILE is not
-    0 (force=True: ignore MTP_TRITON_COMPILE)."""
-    wanted = force or os.environ.get("MTP_TRITON_COMPILE", "1") != "0"
-    return wanted and shutil.which(os.environ.get("CXX", "g++")) is not None
+def available():
+    """Can kernels='compiled' run here: a C++ compiler for inductor (g++, or $CXX)."""
+    return shutil.which(os.environ.get("CXX", "g++")) is not None
 
 
 @functools.cache

@@ -85,7 +85,8 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
     each step verifies the part of it that pays on this machine's measured step costs: RuntimeConfig.size_by_cost).
     temperature 0: greedy; > 0: sampling (top_p nucleus), reproducible from `seed` (an int in [0, 2**64); one generator serves the whole batch,
     so a sampled prompt's tokens depend on its batch-mates: run a prompt alone for samples of its own). eos_token_id: None, an int, a list of ints or an int tensor.
-    kernels: "triton" | "torch" | "auto" (Triton on CUDA, the PyTorch twins elsewhere).
+    kernels: "triton" | "torch" | "compiled" | "auto" (Triton on CUDA, the PyTorch twins elsewhere; "compiled": the
+    twins with the decoder layer compiled by torch.compile, CPU, batch 1: mtp_triton/ops.py, compiled.py).
     runtime: a `RuntimeConfig` or a dict of its fields (cold start, dynamic depth, fallback, confidence pruning). block_size: the paged cache's block size.
     heads: MTP heads (`load_heads`) or an MTP module (`load_module`, mtp_module.py: a one-layer drafter with its own
     cache that draws a dynamic tree each step, `drafters_mtp.ModuleDrafter`; tree= must then be None).

@@ -4,9 +4,10 @@ kernels (KINDS):
     "triton"    the Triton kernels (a CUDA device, or Triton's interpreter on a CPU)
     "torch"     their PyTorch twins, eager (for teaching and debugging)
     "compiled"  the twins, with the decoder layer compiled by torch.compile on a CPU (mtp_triton/compiled.py); it
-                runs the batch-invariant numerics in every dtype, so MTP steps are bit-identical to serial ones
-    "auto"      triton on a CUDA device; on a CPU compiled where a C++ compiler is found (compiled.available()),
-                else torch
+                runs the batch-invariant numerics in every dtype, so MTP steps are bit-identical to serial ones; batch 1
+                only (a batch runs the layer eagerly, which rounds differently: a prompt's tokens would then depend on
+                its batch), hence opt-in
+    "auto"      triton on a CUDA device, torch elsewhere
 The sets have the same signatures, so swapping them changes nothing but speed (and fp rounding).
 """
 from types import SimpleNamespace
@@ -41,8 +42,7 @@ def get_ops(kernels="auto", device="cpu"):
     if kernels not in KINDS:
         raise ValueError(f"kernels must be one of {', '.join(map(repr, KINDS))}, got {kernels!r}")
     if kernels == "auto":
-        from .compiled import available
-        kernels = "triton" if str(device).startswith("cuda") else "compiled" if available() else "torch"
+        kernels = "triton" if str(device).startswith("cuda") else "torch"
     if kernels == "compiled":
         return compiled_ops(device)
     return triton_ops(device) if kernels == "triton" else torch_ops()

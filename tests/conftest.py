@@ -5,8 +5,6 @@
 * `gpu` marker: skipped without CUDA.
 * `nan_like` / `poison`: NaN-filled outputs and padding, so an element a kernel forgets to write
   (or writes out of bounds) fails the test.
-* MTP_TRITON_COMPILE=0: kernels="auto" means the eager twins here (compiling costs seconds per model shape);
-  the compiled kind is tested where a test asks for it (test_compiled.py, test_loading.py).
 * MTP_TRITON_CACHE: the measured verify-step costs (mtp_triton.costs) go to a fresh folder, not ~/.cache.
 * `assert_close`: one comparison that reports max-abs and max-relative error.
 """
@@ -21,7 +19,6 @@ from mtp_triton.kernels import use_interpreter
 if not torch.cuda.is_available():
     use_interpreter()              # before any test module imports a kernel
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("MTP_TRITON_COMPILE", "0")   # kernels="auto" stays eager; test_compiled.py asks for it
 os.environ.setdefault("MTP_TRITON_CACHE", tempfile.mkdtemp(prefix="mtp-triton-costs-"))  # measured c(T), per run
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
