@@ -116,6 +116,10 @@ class Packed:
             self.down.append(PackedLinear(blk.down_proj.weight, blk.down_proj.bias))
         self.lm_head = PackedLinear(model.lm_head.weight, None)
 
+    def __deepcopy__(self, memo):
+        """A copied model packs its own weights on first use (oneDNN's packed tensors cannot be deep-copied)."""
+        return None
+
     def layer(self, l):
         """Layer l's (qkv, o, gate_up, down)."""
         return self.qkv[l], self.o[l], self.gate_up[l], self.down[l]
