@@ -12,21 +12,23 @@ makes separate graphs only where a size is 0 or 1 (T = 1 for serial steps; no sh
 layers are `packed.PackedLinear` calls, which reach the graph as one custom op each (inductor cannot lower oneDNN's
 packed matmul on a weight that is an input). Prefill stays eager (one call per generation).
 
-Batch 1, up to 32 nodes. A batch of several sequences, or a tree of more than invariant.MATMUL_ROWS nodes (whose
-linear layers go in pieces of 32 rows), runs the same function eagerly. Compiled, a bf16 tree step of 3 sequences
-was seen not to round like their serial steps (one token of 120 differed in tests/test_compiled.py's batch case),
-which batch 1 never showed; the cause (a reduction that inductor vectorizes differently for another row count is
-the likely one) is not found yet. And eager and compiled bf16 round differently (inductor fuses the element-wise
-work), so under kernels="compiled" a prompt decoded alone and the same prompt in a batch can differ at a near-tie:
-this is why kernels="auto" stays eager on a CPU and the compiled kind is asked for by name.
+Batches and big trees. A batch of several sequences runs through the batch-1 graphs one sequence at a time
+(`forward_tree` does the loop), so a sequence rounds the same in a batch and alone: a graph compiled for B > 1 may
+vectorise or split its loops otherwise than the B = 1 graph (a bf16 batch of 3 once decoded one token of 120
+differently from its serial steps that way). Trees of any node count share one graph for T > 1: the linear layers'
+custom op splits rows into invariant.linear's pieces of at most 32 itself, out of the compiler's sight (packed.py).
+The price is that a batch streams the weights once per sequence, not once per step.
 
 Exact numerics in every dtype. The compiled kind always runs the batch-invariant path (`invariant.attention`,
 `invariant.linear`): a tree step is bit-identical to serial steps in bf16 and in fp32, because both run the same
 compiled code and every reduction follows absolute positions, not the node count (tests/test_compiled.py).
 
-Compile time: about 10-30 s on first use per (dtype, model shape) on a 2-core CPU; inductor keeps the compiled code
-in its on-disk cache (TORCHINDUCTOR_CACHE_DIR, by default a folder under the system's temp dir), so a later process
-loads it in a second or two.
+Compile time and why the kind is opt-in. `warm_up` compiles the graphs of a generation before its timers start:
+about 2 minutes cold for SmolLM2-135M in bf16 on the 2-core CPU this project measures on (10-30 s a graph), and still
+~35 s in a later process with inductor's on-disk cache (TORCHINDUCTOR_CACHE_DIR, by default a folder under the
+system's temp dir), most of it dynamo tracing the step again. What it buys there is modest: a step about 1.1-1.2x
+faster than eager at 1 and 8 nodes (prepacked matmuls already dominate the eager step). A fresh clone's demo would
+spend more on compiling than it saves, so kernels="auto" stays eager on a CPU and "compiled" is asked for by name.
 """
 import functools
 import os

@@ -86,7 +86,7 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
     temperature 0: greedy; > 0: sampling (top_p nucleus), reproducible from `seed` (an int in [0, 2**64); one generator serves the whole batch,
     so a sampled prompt's tokens depend on its batch-mates: run a prompt alone for samples of its own). eos_token_id: None, an int, a list of ints or an int tensor.
     kernels: "triton" | "torch" | "compiled" | "auto" (Triton on CUDA, the PyTorch twins elsewhere; "compiled": the
-    twins with the decoder layer compiled by torch.compile, CPU, batch 1: mtp_triton/ops.py, compiled.py).
+    twins with the decoder layer compiled by torch.compile, CPU: mtp_triton/ops.py, compiled.py).
     runtime: a `RuntimeConfig` or a dict of its fields (cold start, dynamic depth, fallback, confidence pruning). block_size: the paged cache's block size.
     heads: MTP heads (`load_heads`) or an MTP module (`load_module`, mtp_module.py: a one-layer drafter with its own
     cache that draws a dynamic tree each step, `drafters_mtp.ModuleDrafter`; tree= must then be None).
@@ -111,7 +111,7 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
     if cuda_graph and dev.type != "cuda":
         raise ValueError("cuda_graph=True needs the model on a CUDA device")
     ops = get_ops(kernels, dev)
-    if ops.kind == "compiled" and len(prompts) == 1:
+    if ops.kind == "compiled":
         compiled.warm_up(model, ops)            # compiles the step's graphs once per process, before any timing
     if mtp and drafter is None and heads is not None:
         drafter = ModuleDrafter(heads, model, ops) if isinstance(heads, MTPModule) else HeadsDrafter(heads, model, ops)
@@ -234,9 +234,10 @@ def _warn_unless_row_invariant(dtype, device):
     if key not in _PROBED:
         _PROBED[key] = invariant.matmul_is_row_invariant(dtype, device)
         if not _PROBED[key]:
+            advice = "" if dtype == torch.float32 else "; use float32 for exact output"
             warnings.warn(f"{dtype} matmuls on this CPU are not row-invariant (invariant.matmul_is_row_invariant): "
-                          "MTP output may differ from serial decoding at near-ties; use float32 for exact output",
-                          RuntimeWarning, stacklevel=3)
+                          f"MTP output may differ from serial decoding at near-ties{advice}", RuntimeWarning,
+                          stacklevel=3)
 
 
 def _extend(out, new, stop, max_new_tokens):

@@ -45,7 +45,10 @@ MATMUL_ROWS = 32            # `linear` hands the matmul 2 .. MATMUL_ROWS rows at
 def linear(layer, x):
     """layer(x) [..., N] for x [..., K] (layer: an nn.Linear or any row-wise function), computed in pieces of
     2 .. MATMUL_ROWS rows, so that each row rounds as it would in any other call (a 1-row piece is computed beside a
-    copy of itself; n = 33 splits as 31 + 2)."""
+    copy of itself; n = 33 splits as 31 + 2). While torch.compile traces, a layer that `splits_rows` itself (a
+    packed linear's custom op, packed.py) gets all rows at once, so the graph does not depend on the row count."""
+    if getattr(layer, "splits_rows", False) and torch.compiler.is_compiling():
+        return layer(x)
     rows = x.reshape(-1, x.shape[-1])
     n = rows.shape[0]
     if 2 <= n <= MATMUL_ROWS:

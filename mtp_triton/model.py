@@ -233,17 +233,24 @@ class LlamaEngine(nn.Module):
         """
         cfg = self.config
         B, T = positions.shape
+        exact = self.exact_mode(ops) if exact is None else exact
+        run = getattr(ops, "layer", layer) if exact else layer       # the compiled kind's `layer` (compiled.py)
+        if run is not layer and B > 1:
+            # compiled: one sequence at a time, so that a batch rounds exactly as each of its sequences alone
+            # (a graph for B > 1 may vectorise and split its loops otherwise than the B = 1 graph)
+            one = [self.forward_tree(None if tokens is None else tokens[b:b + 1], positions[b:b + 1],
+                                     tree_mask[b] if tree_mask.dim() == 3 else tree_mask, cache, rows[b:b + 1], ops,
+                                     check_values, exact, None if embeds is None else embeds[b:b + 1])
+                   for b in range(B)]
+            h, k_tree, v_tree = zip(*one)
+            return torch.cat(h), torch.cat(k_tree, 1), torch.cat(v_tree, 1)
         Hkv, Dh = cfg.num_key_value_heads, cfg.head_dim
         block_table, cache_lens = cache.block_table[rows], cache.cache_lens[rows]
         k_tree = torch.empty(cfg.num_hidden_layers, B, T, Hkv, Dh, dtype=self.dtype, device=self.device)
         v_tree = torch.empty_like(k_tree)
         cos, sin = self.rope(positions)
         x = self.embed_tokens(tokens) if embeds is None else embeds            # [B, T, D]
-        exact = self.exact_mode(ops) if exact is None else exact
         packed = packed_layers(self)                # None: the nn.Linear layers (bf16: the same bits, slower)
-        # the compiled kind runs `layer` compiled for one sequence of up to invariant.MATMUL_ROWS nodes (the decode
-        # case it is measured and tested on); batches and bigger trees run it eagerly (compiled.py says why)
-        run = getattr(ops, "layer", layer) if exact and B == 1 and T <= invariant.MATMUL_ROWS else layer
         plans = {}                                  # exact: one attention plan per distinct window, for all layers
         for l, blk in enumerate(self.layers):
             w = cfg.window(l)

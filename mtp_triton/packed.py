@@ -25,12 +25,20 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from . import invariant
+
+
+def _pointwise(x, packed, b):
+    return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+
 
 @torch.library.custom_op("mtp_triton::packed_linear", mutates_args=())
 def _packed_linear_op(x: torch.Tensor, packed: torch.Tensor, b: torch.Tensor | None, n: int) -> torch.Tensor:
-    """x [M, K] -> [M, n] through a packed weight: `torch.compile` sees this op whole (inductor cannot lower
-    `_linear_pointwise` on a packed weight that is an input rather than a frozen constant; see compiled.py)."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+    """x [M, K] -> [M, n] through a packed weight, in the row pieces of `invariant.linear` (2 .. MATMUL_ROWS rows).
+    `torch.compile` sees this op whole: inductor cannot lower `_linear_pointwise` on a packed weight that is an input
+    rather than a frozen constant (compiled.py), and splitting the rows here, out of the compiler's sight, keeps
+    one graph for every node count (split in the graph, each count above MATMUL_ROWS would be a graph of its own)."""
+    return invariant.linear(lambda r: _pointwise(r, packed, b), x)
 
 
 @_packed_linear_op.register_fake
@@ -40,8 +48,12 @@ def _(x, packed, b, n):
 
 class PackedLinear:
     """x [..., K] -> x @ w.T + b [..., N] through the packed copy of w [N, K] (bf16 or fp32, CPU). Eager calls go
-    straight to oneDNN; inside `torch.compile` the same call goes through the custom op above (the op's Python
-    wrapper costs ~14 us a call in eager, ~1.7 ms a step over 120 calls, so eager does not take it)."""
+    straight to oneDNN; inside `torch.compile` the same call goes through the custom op above, which computes the rows
+    in invariant.linear's pieces (the only caller while compiling is the exact path's invariant.linear, which hands
+    it all rows: `splits_rows`). The op's Python wrapper costs ~14 us a call in eager, ~1.7 ms a step over 120
+    calls, so eager does not take it."""
+
+    splits_rows = True                      # while compiling; read by invariant.linear
 
     def __init__(self, w, b):
         self.w, self.b, self.n = w, b, w.shape[0]
@@ -54,7 +66,7 @@ class PackedLinear:
         if torch.compiler.is_compiling():
             out = torch.ops.mtp_triton.packed_linear(rows, self.packed, self.b, self.n)
         else:
-            out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.b, "none", [], "")
+            out = _pointwise(rows, self.packed, self.b)
         return out.view(*x.shape[:-1], self.n)
 
 

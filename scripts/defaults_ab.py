@@ -7,8 +7,9 @@ GGUF) or with dtype=bfloat16, `load_heads(<shipped heads>)`, then `generate(mode
 the heads' stored tree, each step sized by this machine's measured step costs), against `mtp=False` (our serial),
 against the same call with `RuntimeConfig(size_by_cost=False)` (the whole tree every step: the behaviour before the
 cost model), and against transformers' greedy `generate` on the same weights and dtype, plain and with prompt-lookup
-decoding (`prompt_lookup_num_tokens=10`: the zero-training alternative; its steps are not reported, so no τ). Each
-prompt runs every
+decoding (`prompt_lookup_num_tokens=10`: the zero-training alternative; its steps are not reported, so no τ), and
+against serial and MTP with the opt-in compiled step (`kernels="compiled"`; compiling happens in the warm-up, before
+the timed runs; its MTP rows count outputs identical to the compiled serial's). Each prompt runs every
 configuration in turn (so a slow spell of the machine hits all alike). Held-out chat prompts, the first of each
 category. Writes <out>/defaults.csv (one row per prompt, dtype and configuration, with the roofline fields) and
 prints the summary table (decode tokens / decode seconds over the prompts).
@@ -29,7 +30,13 @@ from mtp_triton.bench.roofline import roofline_fields  # noqa: E402
 from mtp_triton.bundle import CHAT_PROMPTS, HEADS, SMOLLM2, encode, pick_prompts, read_prompts  # noqa: E402
 
 
-CONFIGS = ("transformers generate", "transformers prompt-lookup", "serial", "mtp (defaults)", "mtp, whole tree")
+CONFIGS = ("transformers generate", "transformers prompt-lookup", "serial", "mtp (defaults)", "mtp, whole tree",
+           "serial, compiled", "mtp (defaults), compiled")
+
+
+def _serial_of(config):
+    """The serial configuration an MTP configuration's output is compared with (the same kind of kernels)."""
+    return "serial, compiled" if config.startswith("mtp") and config.endswith(", compiled") else "serial"
 
 
 def summary_lines(rows):
@@ -47,7 +54,7 @@ def summary_lines(rows):
         mine = [r for r in rows if r["dtype"] == name]
         by = {c: [r for r in mine if r["config"] == c] for c in CONFIGS}
         pids = list(dict.fromkeys(r["prompt_id"] for r in by["serial"]))
-        for c in (c for c in CONFIGS if by[c]):                            # older runs lack prompt-lookup
+        for c in (c for c in CONFIGS if by[c]):                     # older runs lack prompt-lookup and compiled
             sel = by[c]
             worst = min(rate([r for r in sel if r["prompt_id"] == p]) /
                         rate([r for r in by["serial"] if r["prompt_id"] == p]) for p in pids)
@@ -80,9 +87,12 @@ def main(argv=None):
         hf = hf_twin(model)
         name = str(model.dtype).replace("torch.", "")
         configs = {"serial": dict(mtp=False), "mtp (defaults)": dict(heads=heads),
-                   "mtp, whole tree": dict(heads=heads, runtime=mt.RuntimeConfig(size_by_cost=False))}
-        mt.generate(model, [ids[0]], 8, heads=heads)                                   # warm-up (and c(T))
-        mt.generate(model, [ids[0]], 8, mtp=False)
+                   "mtp, whole tree": dict(heads=heads, runtime=mt.RuntimeConfig(size_by_cost=False)),
+                   "serial, compiled": dict(mtp=False, kernels="compiled"),
+                   "mtp (defaults), compiled": dict(heads=heads, kernels="compiled")}
+        for kernels in ("auto", "compiled"):                        # warm-up (c(T); compiling), not timed
+            mt.generate(model, [ids[0]], 8, heads=heads, kernels=kernels)
+            mt.generate(model, [ids[0]], 8, mtp=False, kernels=kernels)
         time_hf(hf, [ids[0]], 8, eos)
         for r, p in zip(rows_in, ids):
             got = {}
@@ -95,7 +105,8 @@ def main(argv=None):
                                  steps=s.steps, tau=s.tokens_per_step, verified_nodes_per_step=s.verified_nodes_per_step,
                                  decode_s=s.total_s - s.ttft_s, decode_tokens_per_s=s.decode_tokens_per_s,
                                  draft_s=s.time_draft_s, verify_s=s.time_verify_s,
-                                 cost_model=s.cost_model, identical_to_serial=res.tokens[0] == got["serial"],
+                                 cost_model=s.cost_model, kernels=s.kernels,
+                                 identical_to_serial=res.tokens[0] == got[_serial_of(cfg)],
                                  command=cmd, **roofline_fields(model, s.decode_tokens_per_s, s.tokens_per_step)))
             for cfg, lookup in (("transformers generate", None), ("transformers prompt-lookup", PROMPT_LOOKUP)):
                 h = time_hf(hf, [p], N, eos, warmup="none", prompt_lookup=lookup)

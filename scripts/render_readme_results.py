@@ -242,7 +242,10 @@ def defaults_block(path):
             "\n`mtp (defaults)` sizes each step's tree by this machine's measured step costs; `mtp, whole tree` is "
             "the same call with `RuntimeConfig(size_by_cost=False)`, the behaviour before the cost model. "
             "`transformers generate` is `generate(do_sample=False)` on the same weights and dtype; in bfloat16 it "
-            "rounds differently from our exact mode, hence fewer identical outputs.", ""]
+            "rounds differently from our exact mode, hence fewer identical outputs."
+            + (" `serial, compiled` and `mtp (defaults), compiled` are the same calls with `kernels=\"compiled\"`, the "
+               "opt-in compiled step (compiled before the timed runs); the compiled MTP row counts outputs identical to "
+               "the compiled serial's." if any(r["config"].endswith(", compiled") for r in rows) else ""), ""]
 
 
 def drafters_block(path):

@@ -2,8 +2,8 @@
 
 It runs the batch-invariant numerics in every dtype, so a tree step is bit-identical to the serial steps along each
 node's path (bf16 here, with a branching tree, an empty and a chunked shared cache and a sliding window), MTP emits
-the serial tokens (batch 1, compiled; a batch of three, which runs eagerly), and an fp32 model still decodes as
-transformers does. Tiny models: compiling their layer takes seconds a graph."""
+the serial tokens (batch 1, and a batch of three, whose sequences give the tokens they give alone), and an fp32 model
+still decodes as transformers does. Tiny models: compiling their layer takes seconds a graph."""
 import pytest
 import torch
 
@@ -40,12 +40,13 @@ def _serial_path(model, ops, prompt, tokens, path):
 NAME = "mistral-win8-gqa-hd16-v203-L2"           # a sliding window of 8: the window's masks are compiled too
 
 
-@pytest.mark.parametrize("n", [5, 45])                 # no shared chunk yet; one shared chunk of 32 positions
-def test_compiled_tree_step_is_bit_identical_to_serial_steps(n):
+# no shared chunk yet; one shared chunk of 32 positions; a tree of 65 nodes (its linear layers go in row pieces)
+@pytest.mark.parametrize("n,preset", [(5, "medusa-16"), (45, "medusa-16"), (70, "medusa-64")])
+def test_compiled_tree_step_is_bit_identical_to_serial_steps(n, preset):
     name = NAME
     model = mt.LlamaEngine.from_hf(make_hf(name), dtype=torch.bfloat16)
     ops = get_ops("compiled")
-    tree = Tree.from_choices(PRESETS["medusa-16"])
+    tree = Tree.from_choices(PRESETS[preset])
     g = torch.Generator().manual_seed(n)
     prompt = torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
     tokens = torch.randint(0, model.config.vocab_size, (1, tree.size), generator=g)
@@ -60,16 +61,20 @@ def test_compiled_tree_step_is_bit_identical_to_serial_steps(n):
             assert torch.equal(hs, h[0, i]) and torch.equal(ls, logits[0, i]), (name, n, i)
 
 
-@pytest.mark.parametrize("batch", [1, 3])              # batch 1 compiled; a batch runs `layer` eagerly
+PROMPTS = [[5, 17, 33, 42, 90, 1] * 6, [7, 8, 9], list(range(10, 47))]
+
+
+@pytest.mark.parametrize("batch", [1, 3])              # a batch runs each sequence through the batch-1 graphs
 def test_compiled_bf16_mtp_equals_serial(batch):
     model = mt.LlamaEngine.from_hf(make_hf(NAME), dtype=torch.bfloat16)
     heads = mt.init_heads(model, num_heads=4, seed=2)
-    prompts = [[5, 17, 33, 42, 90, 1] * 6, [7, 8, 9], list(range(10, 47))]
-    for p in ([prompts[0]], [prompts[2]]) if batch == 1 else [prompts]:
+    for p in [[q] for q in PROMPTS] if batch == 1 else [PROMPTS]:
         serial = mt.generate(model, p, 40, mtp=False, kernels="compiled")
         assert serial.stats.kernels == "compiled"
-        for tree in ("chain-4", "medusa-16"):
+        for tree in ("chain-4", "medusa-16", "medusa-64"):
             assert mt.generate(model, p, 40, heads=heads, tree=tree, kernels="compiled").tokens == serial.tokens
+        if batch > 1:                                   # each sequence of the batch decodes as it does alone
+            assert serial.tokens == [mt.generate(model, [q], 40, mtp=False, kernels="compiled").tokens[0] for q in p]
 
 
 def test_compiled_fp32_greedy_matches_transformers():
