@@ -15,6 +15,7 @@ model's own, whatever is proposed — only the speed depends on the profile.
 import torch
 import torch.nn.functional as F
 
+from .ops import cpu_twins
 from .packed import packed_linear
 from .records import cpu_model_and_flags
 from .reference import topk_lower_id_first
@@ -76,14 +77,14 @@ class HeadsDrafter:
         # the rows drafting scores: the model's LM head [V, D], the heads' own [H, V, D], or a draft vocabulary's
         # rows [V', D] with token_map [V'] mapping row -> token id (all prepared once, here)
         self.lm_head, self.token_map = heads.draft_weights(model.lm_head.weight)
-        cpu_twins = getattr(ops, "kind", None) in ("torch", "compiled") and dev.type == "cpu"
+        cpu = cpu_twins(ops, dev)
         if draft_dtype is None:
-            draft_dtype = torch.bfloat16 if cpu_twins and (dt == torch.bfloat16 or (
+            draft_dtype = torch.bfloat16 if cpu and (dt == torch.bfloat16 or (
                 dt == torch.float32 and native_bf16())) else dt
-        if draft_dtype != dt and not (cpu_twins and dt == torch.float32 and draft_dtype == torch.bfloat16):
+        if draft_dtype != dt and not (cpu and dt == torch.float32 and draft_dtype == torch.bfloat16):
             raise ValueError(f"HeadsDrafter: draft_dtype must be the model's dtype ({dt}), or torch.bfloat16 for a "
                              f"float32 model on a CPU with the PyTorch twins; got {draft_dtype}")
-        if cpu_twins and draft_dtype == torch.bfloat16:
+        if cpu and draft_dtype == torch.bfloat16:
             # the CPU's bf16 matmuls, as the training measures (see bf16_draft). An fp32 model drafts in bf16 too
             # where the CPU multiplies bf16 natively: half the bytes of the fp32 LM head per draft, the drafts the
             # training simulated; verification in fp32 decides every token, so the output is unchanged.

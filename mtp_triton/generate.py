@@ -21,7 +21,7 @@ from . import compiled, invariant
 from .drafters import HeadsDrafter
 from .drafters_mtp import ModuleDrafter
 from .mtp_module import MTPModule
-from .ops import get_ops
+from .ops import cpu_twins, get_ops
 from .policy import RuntimeConfig, RuntimePolicy
 from .sampling import Sampler
 from .stats import GenerateStats, StatsRecorder
@@ -221,7 +221,7 @@ def _size_by_cost(runtime, drafter, device, ops, cuda_graph, pinned):
             raise ValueError("RuntimeConfig.size_by_cost changes the verified tree every step; it cannot be "
                              "combined with cuda_graph=True (one captured graph per tree size)")
         return True
-    return flag is None and not pinned and probs and device.type == "cpu" and ops.kind in ("torch", "compiled") and not cuda_graph
+    return flag is None and not pinned and probs and cpu_twins(ops, device) and not cuda_graph
 
 
 _PROBED = {}

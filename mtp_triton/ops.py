@@ -38,6 +38,12 @@ def triton_ops(device="cuda"):
     return SimpleNamespace(kind="triton", **{n: launcher(n) for n in NAMES})
 
 
+def cpu_twins(ops, device):
+    """Do `ops` run the PyTorch twins ("torch" or "compiled") on a CPU device? Where they do, the drafters multiply in
+    bf16 and `generate` sizes each step's tree by the measured step costs."""
+    return getattr(ops, "kind", None) in ("torch", "compiled") and str(device).startswith("cpu")
+
+
 def get_ops(kernels="auto", device="cpu"):
     if kernels not in KINDS:
         raise ValueError(f"kernels must be one of {', '.join(map(repr, KINDS))}, got {kernels!r}")

@@ -9,6 +9,7 @@ import contextlib
 import csv
 import datetime
 import errno
+import hashlib
 import io
 import json
 import os
@@ -317,6 +318,23 @@ def write_json(path, obj, indent=2):
     return write_text(path, json.dumps(obj, indent=indent) + "\n")
 
 
+def read_json(path):
+    """The JSON in `path`, or None where there is no such file (a record not made yet)."""
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def sha256_file(path):
+    """The hex sha256 of a file's bytes (read in 1 MiB pieces), as the cards list their files."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for piece in iter(lambda: f.read(1 << 20), b""):
+            h.update(piece)
+    return h.hexdigest()
+
+
 def save_torch(obj, path):
     """torch.save through write_bytes: an interrupted save leaves the previous file intact."""
     buf = io.BytesIO()
@@ -383,3 +401,8 @@ def md_table(header, rows, cell=str):
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def percents(xs):
+    """Fractions as whole percents joined by ' / ' (a per-depth acceptance: '64 / 29 / 9')."""
+    return " / ".join(f"{100 * x:.0f}" for x in xs)

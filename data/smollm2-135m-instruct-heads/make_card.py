@@ -2,27 +2,16 @@
 
     python data/smollm2-135m-instruct-heads/make_card.py
 """
-import hashlib
 import json
 import os
 
-from mtp_triton.records import write_text
+from mtp_triton.records import percents as pct, read_json, sha256_file, write_text
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def load(path):
-    with open(os.path.join(HERE, path)) as f:
-        return json.load(f)
-
-
-def sha256(path):
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
-
-
-def pct(xs):
-    return " / ".join(f"{100 * x:.0f}" for x in xs)
+    return read_json(os.path.join(HERE, path))
 
 
 WHO = {"engine": "this engine's", "transformers": "transformers'"}
@@ -84,8 +73,7 @@ def flag(k, v):
 
 def main():
     info, meta = load("records/train_distill.json"), load("heads.json")
-    demo = load("records/demo.json") if os.path.exists(os.path.join(HERE, "records/demo.json")) else None
-    retree = load("records/retree.json") if os.path.exists(os.path.join(HERE, "records/retree.json")) else None
+    demo, retree = load("records/demo.json"), load("records/retree.json")
     cfg = info["config"]
     H = meta["num_heads"]
     L = []
@@ -210,7 +198,7 @@ def main():
     L.append("| file | sha256 |")
     L.append("|---|---|")
     for name in ("heads.safetensors", "heads.json"):
-        L.append(f"| `{name}` | `{sha256(os.path.join(HERE, name))}` |")
+        L.append(f"| `{name}` | `{sha256_file(os.path.join(HERE, name))}` |")
     L += goals(info, retree)
     tau, _ = chat_tau(info, retree)
     below = tau is not None and tau < 2.2

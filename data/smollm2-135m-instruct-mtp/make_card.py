@@ -3,7 +3,6 @@ by hand.
 
     python data/smollm2-135m-instruct-mtp/make_card.py
 """
-import csv
 import json
 import os
 import sys
@@ -12,7 +11,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 
-from mtp_triton.records import write_text  # noqa: E402
+from mtp_triton.records import read_json, read_rows, write_text  # noqa: E402
 
 AB = os.path.join(ROOT, "results", "cpu", "drafters", "drafters.csv")
 SETS = {"dev_chat": "the tuning split (hand-written chat prompts, data/chat/dev_chat.jsonl)",
@@ -22,15 +21,11 @@ SETS = {"dev_chat": "the tuning split (hand-written chat prompts, data/chat/dev_
 
 
 def load(path):
-    with open(os.path.join(HERE, path)) as f:
-        return json.load(f)
+    return read_json(os.path.join(HERE, path))
 
 
 def ab_rows():
-    if not os.path.exists(AB):
-        return []
-    with open(AB, newline="") as f:
-        return list(csv.DictReader(f))
+    return read_rows(AB) if os.path.exists(AB) else []
 
 
 def latest(rows):

@@ -2,35 +2,17 @@
 
     python data/tiny-stdlib-llama/make_card.py          # run last: it also writes the sha256 of every file
 """
-import hashlib
-import json
 import os
 import sys
 
-from mtp_triton.records import write_text
+from mtp_triton.records import percents as pct, read_json, sha256_file, write_text
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REC = os.path.join(HERE, "records")
 
 
 def load(*parts):
-    path = os.path.join(REC, *parts)
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
-def sha256(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def pct(xs):
-    return " / ".join(f"{100 * x:.0f}" for x in xs)
+    return read_json(os.path.join(REC, *parts))
 
 
 def fmt(x, nd=3):
@@ -45,7 +27,7 @@ def checksums():
             full = os.path.join(dirpath, name)
             rel = os.path.relpath(full, HERE).replace(os.sep, "/")
             if rel != "README.md":
-                rows.append((rel, sha256(full), os.path.getsize(full)))
+                rows.append((rel, sha256_file(full), os.path.getsize(full)))
     return rows
 
 
@@ -105,14 +87,14 @@ def replot():
 
 def main():
     replot()
-    cfg = json.load(open(os.path.join(HERE, "config.json")))
+    cfg = read_json(os.path.join(HERE, "config.json"))
     corpus = load("corpus.json") or {}
     stages = [j for j in (load("train_joint.json"), load("train_joint_2.json")) if j]
     joint = stages[-1] if stages else {}          # the final state of the base
     frozen = load("train_frozen.json") or {}
     gen = load("tau_generate.json")
-    heads_meta = json.load(open(os.path.join(HERE, "heads", "heads.json")))
-    acc = json.load(open(os.path.join(HERE, "heads", "accuracy.json")))
+    heads_meta = read_json(os.path.join(HERE, "heads", "heads.json"))
+    acc = read_json(os.path.join(HERE, "heads", "accuracy.json"))
     compare = {k: {"joint": load(f"compare_{k}", "train_joint.json"), "frozen": load(f"compare_{k}", "train_frozen.json")}
                for k in ("plain", "joint")}
     with open(os.path.join(os.path.dirname(os.path.dirname(HERE)), "scripts", "build_embedded_model.sh")) as f:
