@@ -26,9 +26,11 @@ compiled code and every reduction follows absolute positions, not the node count
 Compile time and why the kind is opt-in. `warm_up` compiles the graphs of a generation before its timers start:
 about 2 minutes cold for SmolLM2-135M in bf16 on the 2-core CPU this project measures on (10-30 s a graph), and still
 ~35 s in a later process with inductor's on-disk cache (TORCHINDUCTOR_CACHE_DIR, by default a folder under the
-system's temp dir), most of it dynamo tracing the step again. What it buys there is modest: a step about 1.1-1.2x
-faster than eager at 1 and 8 nodes (prepacked matmuls already dominate the eager step). A fresh clone's demo would
-spend more on compiling than it saves, so kernels="auto" stays eager on a CPU and "compiled" is asked for by name.
+system's temp dir), most of it dynamo tracing the step again. What it buys there is little: one step of 1 or 8
+nodes ran 1.1-1.2x faster than eager in a scratch timing, and whole generations in the recorded library-defaults A/B
+(scripts/defaults_ab.py, README) ran 1.05x (serial) and 1.08x (MTP) eager's speed in bf16, and 0.86x / 0.90x in
+fp32, where the compiled kind gives up the plain twins for the exact path. A fresh clone's demo would spend more on
+compiling than it saves, so kernels="auto" stays eager on a CPU and "compiled" is asked for by name.
 """
 import functools
 import os
