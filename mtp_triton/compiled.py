@@ -52,9 +52,9 @@ def compiled_layer():
     """`model.layer` compiled once per process (graphs per dtype and shape family are made on first call).
 
     Dynamo keeps its compiled graphs per code object, at most `recompile_limit` (8 by default) of them, and runs
-    the function eagerly past that. One model and dtype already makes up to 8 (T = 1 or more, batch 1 or more, an
-    empty shared cache or not); a process with two dtypes or models needs more, so the limit is raised to 64 (a
-    process-wide dynamo setting; it never lowers a limit set higher)."""
+    the function eagerly past that. One model and dtype makes 4 (T = 1 or more, an empty shared cache or not; a batch
+    runs through the same one-sequence graphs); a process with several dtypes or models needs more, so the limit is
+    raised to 64 (a process-wide dynamo setting; it never lowers a limit set higher)."""
     cfg = torch._dynamo.config
     cfg.recompile_limit = max(cfg.recompile_limit, 64)
     # no duck sizing: two sizes that happen to be equal when first traced (a 64-wide tail and head_dim 64) would share
@@ -68,8 +68,9 @@ _WARM = set()
 
 @torch.no_grad()
 def warm_up(model, ops):
-    """Compile every graph a batch-1 generation can need, before it is timed: the serial step (T = 1) and tree
-    steps (T > 1), each with an empty shared cache and with shared chunks, at two tail widths. Once per process and
+    """Compile every graph a generation can need, before it is timed (a batch runs one sequence at a time through
+    the same graphs): the serial step (T = 1) and tree steps (T > 1), each with an empty shared cache and with shared
+    chunks, at two tail widths. Once per process and
     (dtype, model shape); a no-op afterwards. Returns the seconds it took (0.0 when already warm)."""
     cfg = model.config
     key = (model.dtype, str(model.device), cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,

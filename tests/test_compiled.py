@@ -43,8 +43,7 @@ NAME = "mistral-win8-gqa-hd16-v203-L2"           # a sliding window of 8: the wi
 # no shared chunk yet; one shared chunk of 32 positions; a tree of 65 nodes (its linear layers go in row pieces)
 @pytest.mark.parametrize("n,preset", [(5, "medusa-16"), (45, "medusa-16"), (70, "medusa-64")])
 def test_compiled_tree_step_is_bit_identical_to_serial_steps(n, preset):
-    name = NAME
-    model = mt.LlamaEngine.from_hf(make_hf(name), dtype=torch.bfloat16)
+    model = mt.LlamaEngine.from_hf(make_hf(NAME), dtype=torch.bfloat16)
     ops = get_ops("compiled")
     tree = Tree.from_choices(PRESETS[preset])
     g = torch.Generator().manual_seed(n)
@@ -58,7 +57,7 @@ def test_compiled_tree_step_is_bit_identical_to_serial_steps(n, preset):
         for i in range(tree.size):
             path = [j for j in range(tree.size) if tree.mask[i, j]]           # ancestors by depth, then i
             hs, ls = _serial_path(model, ops, prompt, tokens, path)
-            assert torch.equal(hs, h[0, i]) and torch.equal(ls, logits[0, i]), (name, n, i)
+            assert torch.equal(hs, h[0, i]) and torch.equal(ls, logits[0, i]), (NAME, n, preset, i)
 
 
 PROMPTS = [[5, 17, 33, 42, 90, 1] * 6, [7, 8, 9], list(range(10, 47))]
