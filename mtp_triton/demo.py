@@ -9,8 +9,8 @@ The demo answers held-out chat prompts of six categories one at a time (batch 1)
 prompt in turn. It checks that MTP gives the serial tokens, counts how often transformers does, and reports tau
 (tokens per verify step), acceptance per depth, decode tokens/s and the speedup over both baselines, per category
 and overall, next to the speedup predicted when the heads' tree was chosen, and the fraction of the machine's
-weight-streaming floor each mode reaches (`bench.roofline`). It writes <out>/demo.csv (one row per prompt and mode)
-and <out>/demo.png.
+weight-streaming floor each configuration reaches (`bench.roofline`). It writes <out>/demo.csv (one row per prompt
+and configuration: the rows of `bench.ab`) and <out>/demo.png.
 """
 import argparse
 import os
@@ -19,9 +19,9 @@ import time
 
 import torch
 
+from .bench.ab import PEER, Config, run_prompt, summarise, warm_up
 from .bench.common import save_figure
-from .bench.hf_baseline import hf_twin, time_hf
-from .bench.roofline import roofline_fields
+from .bench.hf_baseline import hf_twin
 from .cli import error, float_in, int_at_least
 from .generate import RuntimeConfig, generate
 from .mtp_module import MTPModule
@@ -36,56 +36,29 @@ from .stats import format_tau
 PROBABILITY = float_in(0.0, 1.0, low_open=True)            # argparse type of --prune-below
 
 
-def run_pair(model, heads, tree, ids, max_new, eos, kernels, runtime=None):
-    """Serial then MTP on one prompt (batch 1). -> (serial result, mtp result). tree None: the heads' stored tree,
-    each step sized by the measured step costs (generate's default); a Tree is verified whole."""
-    ser = generate(model, [ids], max_new, mtp=False, eos_token_id=eos, kernels=kernels)
-    mtp = generate(model, [ids], max_new, heads=heads, tree=tree, eos_token_id=eos, kernels=kernels, runtime=runtime)
-    return ser, mtp
-
-
-def summarise(runs):
-    """Decode tokens/s over all runs (total tokens / total time) of serial, MTP and transformers, tau and acceptance
-    per depth of the MTP runs. runs: (serial result, MTP result, transformers timing dict) per prompt."""
-    def rate(rs):
-        tok = sum(r.stats.new_tokens - 1 for r in rs)
-        sec = sum(r.stats.total_s - r.stats.ttft_s for r in rs)
-        return tok / sec if sec > 0 else float("nan")
-    ser, mtp, hf = [p[0] for p in runs], [p[1] for p in runs], [p[2] for p in runs]
-    steps = sum(sum(r.stats.accept_len_histogram) for r in mtp)
-    depth = max(len(r.stats.accept_rate_per_depth) for r in mtp)
-    acc = []
-    for d in range(depth):
-        w = [(sum(r.stats.accept_len_histogram), r.stats.accept_rate_per_depth[d]) for r in mtp
-             if d < len(r.stats.accept_rate_per_depth)]
-        acc.append(sum(n * a for n, a in w) / max(sum(n for n, _ in w), 1))
-    hf_rate = sum(h["decode_tokens"] for h in hf) / sum(h["decode_s"] for h in hf)
-    return dict(prompts=len(runs), serial_tok_s=rate(ser), mtp_tok_s=rate(mtp), hf_tok_s=hf_rate,
-                speedup=rate(mtp) / rate(ser), speedup_vs_hf=rate(mtp) / hf_rate,
-                tau=sum(r.stats.new_tokens - 1 for r in mtp) / max(steps, 1), accept_rate_per_depth=acc,
-                identical=sum(p[0].tokens == p[1].tokens for p in runs),
-                hf_identical=sum(p[0].tokens[0] == p[2]["tokens"][0] for p in runs),
-                verified_nodes_per_step=sum(r.stats.verified_nodes_per_step * r.stats.steps for r in mtp)
-                / max(sum(r.stats.steps for r in mtp), 1))
+def configs(heads, tree, kernels, runtime=None):
+    """The demo's configurations (bench.ab), in the order each prompt runs them: our serial loop, MTP (tree None: the
+    heads' stored tree, each step sized by the measured step costs, generate's default; a Tree is verified whole),
+    and transformers' greedy generate on the same weights."""
+    return [Config("serial", dict(mtp=False, kernels=kernels)),
+            Config("mtp", dict(heads=heads, tree=tree, kernels=kernels, runtime=runtime)),
+            Config(PEER, peer=True)]
 
 
 def summarise_rows(rows):
-    """The same summary as `summarise`, from demo.csv rows (strings, one per prompt and mode) -> dict(prompts,
-    serial_tok_s, mtp_tok_s, speedup, tau, identical, and where the rows hold transformers runs: hf_tok_s,
-    speedup_vs_hf, hf_identical). Decode tok/s = decode tokens (new tokens minus the prefill's) summed over the
-    prompts / decode seconds summed; tau = the MTP rows' decode tokens / their steps."""
-    def tokens(rs):
-        return sum(int(r["new_tokens"]) - 1 for r in rs)
-    by = {m: [r for r in rows if r["mode"] == m] for m in ("serial", "mtp", "transformers")}
-    rate = {m: tokens(rs) / sum(float(r["decode_s"]) for r in rs) for m, rs in by.items() if rs}
-    mtp = by["mtp"]
-    out = dict(prompts=len(mtp), serial_tok_s=rate["serial"], mtp_tok_s=rate["mtp"],
-               speedup=rate["mtp"] / rate["serial"], tau=tokens(mtp) / max(sum(int(r["steps"]) for r in mtp), 1),
-               identical=sum(r["identical"] == "True" for r in mtp))
-    if by["transformers"]:
-        out.update(hf_tok_s=rate["transformers"], speedup_vs_hf=rate["mtp"] / rate["transformers"],
-                   serial_vs_hf=rate["serial"] / rate["transformers"],
-                   hf_identical=sum(r["identical"] == "True" for r in by["transformers"]))
+    """The demo's summary of its rows (demo.csv rows, strings or typed, one per prompt and configuration) through
+    `bench.ab.summarise` -> dict(prompts, serial_tok_s, mtp_tok_s, speedup, tau, identical, accept_rate_per_depth,
+    verified_nodes_per_step, and where the rows hold transformers runs: hf_tok_s, speedup_vs_hf, serial_vs_hf,
+    hf_identical). Decode tok/s = decode tokens (new tokens minus the prefill's) summed over the prompts / decode
+    seconds summed; tau = the MTP rows' decode tokens / their steps."""
+    t = summarise(rows)
+    ser, mtp, hf = t["serial"], t["mtp"], t.get(PEER)
+    out = dict(prompts=mtp["prompts"], serial_tok_s=ser["tok_s"], mtp_tok_s=mtp["tok_s"], speedup=mtp["vs_serial"],
+               tau=mtp["tau"], identical=mtp["identical"], accept_rate_per_depth=mtp["accept"],
+               verified_nodes_per_step=mtp["nodes"])
+    if hf:
+        out.update(hf_tok_s=hf["tok_s"], speedup_vs_hf=mtp["vs_peer"], serial_vs_hf=ser["vs_peer"],
+                   hf_identical=hf["identical"])
     return out
 
 
@@ -128,44 +101,10 @@ def demo(argv=None):
     print(f"model {a.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f} M params, {model.dtype}, "
           f"{torch.get_num_threads()} threads, kernels {a.kernels}; {describe_drafter(heads, tree)}"
           + (f", pruned below path probability {a.prune_below:g}" if runtime else ""))
-    ids0 = encode(tok, rows[0]["text"])
     hf = hf_twin(model)                                   # transformers' LlamaForCausalLM on the same weights
-    gen_tree = generate_tree(a.tree, heads, tree)
-    run_pair(model, heads, gen_tree, ids0, 8, eos, a.kernels, runtime)             # warm-up (and c(T)), not timed
-    time_hf(hf, [ids0], 8, eos)
-    runs, cats = [], []
-    for r in rows:
-        ids = encode(tok, r["text"])
-        ser, mtp = run_pair(model, heads, gen_tree, ids, a.max_new_tokens, eos, a.kernels, runtime)
-        peer = time_hf(hf, [ids], a.max_new_tokens, eos, warmup="none")
-        runs.append((ser, mtp, peer))
-        cats.append(r.get("category", "all"))
-        same = ser.tokens == mtp.tokens
-        print(f"\n--- [{cats[-1]}] {r['text'][:90]!r}")
-        print(f"    {tok.decode(ser.tokens[0], skip_special_tokens=True)[:240]!r}")
-        print(f"    MTP: {'identical' if same else 'DIFFERENT: ' + tok.decode(mtp.tokens[0])[:200]!r}, tau "
-              f"{format_tau(mtp.stats.tokens_per_step)}, {mtp.stats.verified_nodes_per_step:.1f} nodes verified per "
-              f"step; decode tok/s: transformers {peer['decode_tokens_per_s']:.1f}"
-              f"{'' if peer['tokens'][0] == ser.tokens[0] else ' (other tokens)'}, serial "
-              f"{ser.stats.decode_tokens_per_s:.1f}, MTP {mtp.stats.decode_tokens_per_s:.1f}")
-    groups = {c: [p for p, pc in zip(runs, cats) if pc == c] for c in dict.fromkeys(cats)}
-    table = {c: summarise(ps) for c, ps in groups.items()}
-    table["all"] = summarise(runs)
-    print(f"\n| category | prompts | transformers tok/s | serial tok/s | MTP tok/s | MTP vs serial | MTP vs "
-          f"transformers | tau | identical to serial | transformers identical |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for c, s in table.items():
-        print(f"| {c} | {s['prompts']} | {s['hf_tok_s']:.1f} | {s['serial_tok_s']:.1f} | {s['mtp_tok_s']:.1f} | "
-              f"{s['speedup']:.2f}x | {s['speedup_vs_hf']:.2f}x | {s['tau']:.2f} | {s['identical']}/{s['prompts']} | "
-              f"{s['hf_identical']}/{s['prompts']} |")
-    s = table["all"]
-    print("acceptance per depth: " + ", ".join(f"d{d + 1} {r:.0%}" for d, r in enumerate(s["accept_rate_per_depth"])))
-    cost = runs[0][1].stats.cost_model
-    print(f"verified nodes per step: {s['verified_nodes_per_step']:.1f} of at most {tree_size(heads, tree)}"
-          + (f", sized by this machine's measured step costs: {cost}" if cost else ""))
+    cfgs = configs(heads, generate_tree(a.tree, heads, tree), a.kernels, runtime)
+    warm_up(model, encode(tok, rows[0]["text"]), cfgs, hf=hf, eos=eos)            # warm-up (and c(T)), not timed
     predicted = _predicted(heads, tree)
-    if predicted is not None:
-        print(f"predicted speedup when the tree was chosen: {predicted:.2f}x; measured now: {s['speedup']:.2f}x")
     env = env_info(model.device)
     cmd = "python -m mtp_triton demo " + " ".join(argv if argv is not None else sys.argv[2:])
     base = dict(env, run="demo", model=a.model, dtype=str(model.dtype).replace("torch.", ""),
@@ -173,22 +112,36 @@ def demo(argv=None):
                 drafter="mtp" if isinstance(heads, MTPModule) else "medusa",
                 max_new_tokens=a.max_new_tokens, predicted_speedup=predicted, command=cmd)
     out_rows = []
-    for r, c, (ser, mtp, peer) in zip(rows, cats, runs):
-        for mode, res in (("serial", ser), ("mtp", mtp)):
-            st = res.stats
-            out_rows.append(dict(base, prompt_id=r.get("id"), category=c, mode=mode,
-                                 verified_nodes_per_step=st.verified_nodes_per_step, cost_model=st.cost_model,
-                                 kernels=st.kernels, new_tokens=st.new_tokens, steps=st.steps,
-                                 tokens_per_step=st.tokens_per_step, decode_tokens_per_s=st.decode_tokens_per_s,
-                                 ttft_s=st.ttft_s, decode_s=st.total_s - st.ttft_s, identical=ser.tokens == mtp.tokens,
-                                 **roofline_fields(model, st.decode_tokens_per_s, st.tokens_per_step)))
-        one = peer["per_prompt"][0]
-        out_rows.append(dict(base, prompt_id=r.get("id"), category=c, mode="transformers", verified_nodes_per_step=1,
-                             kernels="transformers generate (sdpa)", new_tokens=one["new_tokens"],
-                             steps=one["new_tokens"] - 1, tokens_per_step=1.0,
-                             decode_tokens_per_s=peer["decode_tokens_per_s"], ttft_s=one["ttft_s"],
-                             decode_s=one["decode_s"], identical=peer["tokens"][0] == ser.tokens[0],
-                             **roofline_fields(model, peer["decode_tokens_per_s"])))
+    for i, r in enumerate(rows):
+        got, tokens = run_prompt(model, encode(tok, r["text"]), a.max_new_tokens, cfgs, hf=hf, eos=eos,
+                                 base=dict(base, prompt_id=r.get("id", i), category=r.get("category", "all")))
+        out_rows += got
+        ser, mtp, peer = got
+        print(f"\n--- [{ser['category']}] {r['text'][:90]!r}")
+        print(f"    {tok.decode(tokens['serial'], skip_special_tokens=True)[:240]!r}")
+        same = mtp["identical_to_serial"]
+        print(f"    MTP: {'identical' if same else 'DIFFERENT: ' + tok.decode(tokens['mtp'])[:200]!r}, tau "
+              f"{format_tau(mtp['tokens_per_step'])}, {mtp['verified_nodes_per_step']:.1f} nodes verified per "
+              f"step; decode tok/s: transformers {peer['decode_tokens_per_s']:.1f}"
+              f"{'' if peer['identical_to_serial'] else ' (other tokens)'}, serial "
+              f"{ser['decode_tokens_per_s']:.1f}, MTP {mtp['decode_tokens_per_s']:.1f}")
+    cats = list(dict.fromkeys(r["category"] for r in out_rows))
+    table = {c: summarise_rows([r for r in out_rows if r["category"] == c]) for c in cats}
+    table["all"] = summarise_rows(out_rows)
+    print("\n| category | prompts | transformers tok/s | serial tok/s | MTP tok/s | MTP vs serial | MTP vs "
+          "transformers | tau | identical to serial | transformers identical |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for c, s in table.items():
+        print(f"| {c} | {s['prompts']} | {s['hf_tok_s']:.1f} | {s['serial_tok_s']:.1f} | {s['mtp_tok_s']:.1f} | "
+              f"{s['speedup']:.2f}x | {s['speedup_vs_hf']:.2f}x | {s['tau']:.2f} | {s['identical']}/{s['prompts']} | "
+              f"{s['hf_identical']}/{s['prompts']} |")
+    s = table["all"]
+    print("acceptance per depth: " + ", ".join(f"d{d + 1} {r:.0%}" for d, r in enumerate(s["accept_rate_per_depth"])))
+    cost = out_rows[1]["cost_model"]
+    print(f"verified nodes per step: {s['verified_nodes_per_step']:.1f} of at most {tree_size(heads, tree)}"
+          + (f", sized by this machine's measured step costs: {cost}" if cost else ""))
+    if predicted is not None:
+        print(f"predicted speedup when the tree was chosen: {predicted:.2f}x; measured now: {s['speedup']:.2f}x")
     append_rows(os.path.join(a.out, "demo.csv"), out_rows)
     _plot(table, env, os.path.join(a.out, "demo.png"))
     print(f"wrote {a.out}/demo.csv and {a.out}/demo.png")

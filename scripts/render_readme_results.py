@@ -15,6 +15,7 @@ import os
 import sys
 from collections import defaultdict
 
+from mtp_triton.bench.ab import PEER
 from mtp_triton.demo import summarise_rows
 from mtp_triton.bench.pruning import summarise_rows as summarise_prune_rows
 from mtp_triton.records import md_table, write_text
@@ -44,9 +45,9 @@ def _latest(rows, key="timestamp"):
 
 def demo_block(path):
     rows = _latest(_rows(path))
-    m = [r for r in rows if r["mode"] == "mtp"][0]
+    m = [r for r in rows if r["config"] == "mtp"][0]
     rel = os.path.relpath(path, ROOT)
-    peer = any(r["mode"] == "transformers" for r in rows)
+    peer = any(r["config"] == PEER for r in rows)
     drafter = m.get("drafter") or "medusa"              # rows written before the MTP module shipped: the heads
     what = (f"the MTP module and its dynamic tree of at most {m['tree_size']} nodes" if drafter == "mtp" else
             f"the heads (`--drafter medusa`) and their tree of {m['tree_size']} nodes")
@@ -74,12 +75,12 @@ def demo_block(path):
                    f"same weights and dtype, and our own serial loop; our serial loop runs at "
                    f"{s['serial_vs_hf']:.2f}× transformers.")
     if m.get("cost_model"):
-        nodes = [float(r["verified_nodes_per_step"]) for r in rows if r["mode"] == "mtp"]
+        nodes = [float(r["verified_nodes_per_step"]) for r in rows if r["config"] == "mtp"]
         out.append(f"\nMTP verified {sum(nodes) / len(nodes):.1f} of the tree's {m['tree_size']} nodes per step on "
                    f"average: each step keeps the drafts that pay on this machine's measured step costs "
                    f"({m['cost_model'].split(' (')[0]}).")
-    fr = {mode: [float(r["floor_fraction"]) for r in rows if r["mode"] == mode and r.get("floor_fraction")]
-          for mode in ("transformers", "serial", "mtp")}
+    fr = {label: [float(r["floor_fraction"]) for r in rows if r["config"] == c and r.get("floor_fraction")]
+          for label, c in (("transformers", PEER), ("serial", "serial"), ("mtp", "mtp"))}
     if all(fr.values()):
         w, bw = float(m["weight_bytes_per_step"]), float(m["copy_gb_s"])
         out.append(f"\nWeight-streaming floor: {w / 1e6:.0f} MB of weights per step at the {bw:.1f} GB/s this run "

@@ -153,7 +153,7 @@ def test_prune_command_on_the_tiny_model(tmp_path, capsys):
     assert main(args + ["--thresholds", "0.05,0.5"]) == 0
     rows = list(csv.DictReader(open(out / "prune.csv")))
     assert {r["config"] for r in rows} == {"serial", "mtp", "mtp p>=0.05", "mtp p>=0.5"}
-    assert all(r["identical"] == "True" for r in rows) and (out / "prune.png").exists()
+    assert all(r["identical_to_serial"] == "True" for r in rows) and (out / "prune.png").exists()
     assert "| mtp p>=0.5 |" in capsys.readouterr().out
     assert main(args + ["--thresholds", "1.5"]) == 2
     assert "prune_below" in capsys.readouterr().err
@@ -164,14 +164,14 @@ def test_prune_keeps_finished_prompts_on_ctrl_c_and_resumes(tmp_path, monkeypatc
     with one line saying how to go on; --resume then runs only the 2nd and 3rd prompts."""
     import csv
     import json
-    from mtp_triton.bench import pruning
+    from mtp_triton.bench import ab, pruning
     from mtp_triton.bundle import EMBEDDED
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps(dict(text=f"def f{k}(x):", category=f"c{k}")) + "\n" for k in range(3)))
     out = tmp_path / "prune"
     args = ["--model", EMBEDDED, "--prompts", str(prompts), "--per-category", "1", "--max-new-tokens", "4",
             "--thresholds", "0.5", "--out", str(out)]
-    real, calls = pruning.generate, []
+    real, calls = ab.generate, []
 
     def interrupt_at(n):
         def gen(*a, **kw):
@@ -180,7 +180,7 @@ def test_prune_keeps_finished_prompts_on_ctrl_c_and_resumes(tmp_path, monkeypatc
                 raise KeyboardInterrupt
             return real(*a, **kw)
         return gen
-    monkeypatch.setattr(pruning, "generate", interrupt_at(3 + 3 + 1))     # warm-up 3, prompt 1, then in prompt 2
+    monkeypatch.setattr(ab, "generate", interrupt_at(3 + 3 + 1))     # warm-up 3, prompt 1, then in prompt 2
     capsys.readouterr()
     try:
         assert pruning.main(args) == 130
@@ -192,10 +192,10 @@ def test_prune_keeps_finished_prompts_on_ctrl_c_and_resumes(tmp_path, monkeypatc
     assert [r["config"] for r in first] == ["serial", "mtp", "mtp p>=0.5"] and first[0]["category"] == "c0"
 
     calls.clear()
-    monkeypatch.setattr(pruning, "generate", interrupt_at(0))             # count only
+    monkeypatch.setattr(ab, "generate", interrupt_at(0))             # count only
     assert pruning.main(args + ["--resume"]) == 0
     assert len(calls) == 3 + 2 * 3                                        # warm-up, then the 2 prompts not done
     rows = list(csv.DictReader(open(out / "prune.csv")))
     keys = [(r["prompt_hash"], r["config"]) for r in rows]
-    assert len(rows) == 9 and len(set(keys)) == 9 and all(r["identical"] == "True" for r in rows)
+    assert len(rows) == 9 and len(set(keys)) == 9 and all(r["identical_to_serial"] == "True" for r in rows)
     assert "(3 rows kept from earlier runs)" in capsys.readouterr().out

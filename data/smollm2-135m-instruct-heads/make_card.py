@@ -41,7 +41,7 @@ def goals(info, retree):
         last = max(r["timestamp"] for r in rows)
         rows = [r for r in rows if r["timestamp"] == last]                  # the newest run
         s = summarise_rows(rows)
-        m = next(r for r in rows if r["mode"] == "mtp")
+        m = next(r for r in rows if r["config"] == "mtp")
         src = f"results/cpu/demo/demo.csv (`{m['command']}`, commit {m['commit']})"
         out.append(f"| τ ≥ 2.2, measured in the main demo ({s['prompts']} prompts) | {s['tau']:.3f} | {src} | "
                    f"{'met' if s['tau'] >= 2.2 else 'not met'} |")

@@ -25,10 +25,11 @@ import sys
 import torch
 
 from ..cli import error, run
-from ..generate import RuntimeConfig, generate
+from ..generate import RuntimeConfig
 from ..ops import KINDS
 from ..bundle import (ROOT, SMOLLM2, cli_drafter, describe_drafter, encode, heads_dir_for, load_bundle, pick_prompts,
                       pick_tree, read_prompts, tree_size)
+from .ab import Config, run_prompt, summarise, warm_up
 from .common import (KeptRows, append_rows, ensure_writable_dir, env_info, int_at_least, output_lock, resume_rows,
                     save_figure)
 from .eval_harness import fingerprint
@@ -38,56 +39,22 @@ PROMPT_SETS = {"chat": os.path.join(ROOT, "data", "chat", "heldout_chat.jsonl"),
 THRESHOLDS = (0.01, 0.02, 0.05, 0.1, 0.2)
 
 
-def configs(thresholds):
-    """[(name, prune_below)]: serial first (None marks it), then unpruned MTP (0.0), then each threshold."""
-    return [("serial", None), ("mtp", 0.0)] + [(f"mtp p>={t:g}", float(t)) for t in thresholds]
-
-
-def run_prompt(model, heads, tree, ids, max_new, eos, kernels, cfgs):
-    """Every configuration on one prompt. -> {name: GenerateResult}"""
-    out = {}
-    for name, p in cfgs:
-        rt = RuntimeConfig(prune_below=p) if p else None
-        out[name] = generate(model, [ids], max_new, mtp=p is not None, heads=heads, tree=tree, eos_token_id=eos,
-                             kernels=kernels, runtime=rt)
-    return out
-
-
-def summarise(results, cfgs):
-    """Per configuration over all prompts: decode tok/s (total tokens / total time), speedup vs serial, tau, mean
-    verified nodes per step, identical prompts."""
-    table = {}
-    for name, _ in cfgs:
-        rs = [r[name] for r in results]
-        tok = sum(x.stats.new_tokens - 1 for x in rs)
-        sec = sum(x.stats.total_s - x.stats.ttft_s for x in rs)
-        steps = sum(x.stats.steps for x in rs)
-        nodes = sum(x.stats.verified_nodes_per_step * x.stats.steps for x in rs if x.stats.steps)
-        table[name] = dict(tok_s=tok / max(sec, 1e-12), tau=tok / max(steps, 1), nodes=nodes / max(steps, 1),
-                           identical=sum(x.tokens == r["serial"].tokens for x, r in zip(rs, results)),
-                           prompts=len(rs))
-    for s in table.values():
-        s["speedup"] = s["tok_s"] / table["serial"]["tok_s"]
-    return table
+def configs(thresholds, heads, tree, kernels):
+    """The configurations (bench.ab) in the order each prompt runs them: serial, unpruned MTP, then MTP pruned at each
+    threshold (`RuntimeConfig(prune_below=t)`)."""
+    def mtp(name, p):
+        return Config(name, dict(heads=heads, tree=tree, kernels=kernels,
+                                 runtime=RuntimeConfig(prune_below=p) if p else None), fields=dict(prune_below=p))
+    return ([Config("serial", dict(mtp=False, kernels=kernels), fields=dict(prune_below=None)), mtp("mtp", 0.0)]
+            + [mtp(f"mtp p>={t:g}", float(t)) for t in thresholds])
 
 
 def summarise_rows(rows):
-    """The same summary as `summarise`, from prune.csv rows (strings or typed, one per prompt and configuration) ->
-    {configuration: dict(tok_s, tau, nodes, identical, prompts, speedup)}, in the rows' order of configurations."""
-    by = {}
-    for r in rows:
-        by.setdefault(r["config"], []).append(r)
-    table = {}
-    for name, rs in by.items():
-        tok = sum(int(r["new_tokens"]) - 1 for r in rs)
-        steps = sum(int(r["steps"]) for r in rs)
-        nodes = sum(float(r["verified_nodes_per_step"]) * int(r["steps"]) for r in rs)
-        table[name] = dict(tok_s=tok / max(sum(float(r["decode_s"]) for r in rs), 1e-12), tau=tok / max(steps, 1),
-                           nodes=nodes / max(steps, 1), identical=sum(str(r["identical"]) == "True" for r in rs),
-                           prompts=len(rs))
-    for s in table.values():
-        s["speedup"] = s["tok_s"] / table["serial"]["tok_s"]
-    return table
+    """prune.csv rows (strings or typed, one per prompt and configuration) -> {configuration: dict(tok_s, tau, nodes,
+    identical, prompts, speedup)} in the rows' order of configurations: `bench.ab.summarise` (decode tok/s = total
+    decode tokens / total decode time, speedup against serial, tau, verified nodes per step, identical prompts)."""
+    return {name: dict(tok_s=s["tok_s"], tau=s["tau"], nodes=s["nodes"], identical=s["identical"],
+                       prompts=s["prompts"], speedup=s["vs_serial"]) for name, s in summarise(rows).items()}
 
 
 def prompt_hash(text):
@@ -157,7 +124,7 @@ def _run(a, argv, thresholds, prompts):
         tree = pick_tree(a.tree, heads, a.heads or heads_dir_for(a.model, a.drafter), model, a.kernels)
     except (OSError, ValueError, RuntimeError) as e:
         return error(e)
-    cfgs = configs(thresholds)
+    cfgs = configs(thresholds, heads, tree, a.kernels)
     rows = pick_prompts(prompts, a.per_category)
     eos = tok.eos_token_id
     csv_path = os.path.join(a.out, "prune.csv")
@@ -170,38 +137,31 @@ def _run(a, argv, thresholds, prompts):
     cmd = "python -m mtp_triton prune " + " ".join(argv)
     print(f"model {a.model}, {model.dtype}, {torch.get_num_threads()} threads; {describe_drafter(heads, tree)}; "
           f"{len(rows)} prompts ({a.prompts}), {a.max_new_tokens} new tokens; "
-          f"configurations: {', '.join(n for n, _ in cfgs)}" + ("; --resume" if a.resume else ""))
+          f"configurations: {', '.join(c.name for c in cfgs)}" + ("; --resume" if a.resume else ""))
     mine, warm = [], False
     try:
         for r in rows:
             base = dict(env, run="prune", setup=setup, model=a.model, dtype=str(model.dtype).replace("torch.", ""),
                         threads=torch.get_num_threads(), prompts=a.prompts, prompt_id=r.get("id"),
-                        prompt_hash=prompt_hash(r["text"]), category=r.get("category"), tree_size=tree_size(heads, tree),
-                        drafter=a.drafter,
-                        max_new_tokens=a.max_new_tokens)
-            again = kept.take(*[row_key(dict(base, config=n)) for n, _ in cfgs])
+                        prompt_hash=prompt_hash(r["text"]), category=r.get("category"),
+                        tree_size=tree_size(heads, tree), drafter=a.drafter, max_new_tokens=a.max_new_tokens,
+                        command=cmd)
+            again = kept.take(*[row_key(dict(base, config=c.name)) for c in cfgs])
             if again:
                 mine += again
                 print(f"[{r.get('category', 'all')}] kept from an earlier run", flush=True)
                 continue
             ids = encode(tok, r["text"])
             if not warm:                                                          # warm-up, not timed
-                run_prompt(model, heads, tree, ids, 8, eos, a.kernels, cfgs)
+                warm_up(model, ids, cfgs, eos=eos)
                 warm = True
-            got = run_prompt(model, heads, tree, ids, a.max_new_tokens, eos, a.kernels, cfgs)
-            new = [dict(base, config=n, prune_below=p, kernels=got[n].stats.kernels,
-                        new_tokens=got[n].stats.new_tokens, steps=got[n].stats.steps,
-                        tokens_per_step=got[n].stats.tokens_per_step,
-                        verified_nodes_per_step=got[n].stats.verified_nodes_per_step,
-                        decode_tokens_per_s=got[n].stats.decode_tokens_per_s,
-                        decode_s=got[n].stats.total_s - got[n].stats.ttft_s,
-                        identical=got[n].tokens == got["serial"].tokens, command=cmd) for n, p in cfgs]
+            new, _ = run_prompt(model, ids, a.max_new_tokens, cfgs, eos=eos, base=base)
             append_rows(csv_path, new)                                 # now: a Ctrl-C later keeps this prompt
             mine += new
             print(f"[{r.get('category', 'all')}] " + "  ".join(
-                f"{n}: {got[n].stats.decode_tokens_per_s:.1f} tok/s" + ("" if n == "serial" else
-                                                                       f" tau {got[n].stats.tokens_per_step:.2f}")
-                for n, _ in cfgs), flush=True)
+                f"{x['config']}: {x['decode_tokens_per_s']:.1f} tok/s" + ("" if x["config"] == "serial" else
+                                                                          f" tau {x['tokens_per_step']:.2f}")
+                for x in new), flush=True)
     except KeyboardInterrupt:
         print(f"interrupted: the rows of every finished prompt are in {csv_path}; run the same command with "
               "--resume to go on from there", file=sys.stderr)
