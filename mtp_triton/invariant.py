@@ -193,14 +193,15 @@ def attention(q, k_cache, v_cache, k_tree, v_tree, p, sm_scale=None, finite=Fals
     # chunk partials, in position order: o_c = p_c @ v_c (one bf16 matmul per chunk of C positions), l_c = sum p_c
     e_t = torch.exp(s_tail - m[..., None]).to(dt).view(Hkv, B, T, G, W // C, C)
     o = [(e_t.transpose(3, 4) @ vt.view(Hkv, B, T, W // C, C, Dh)).transpose(3, 4)]   # [Hkv, B, T, G, Wc, Dh]
-    l = [chunk_sum(e_t.float())]                                                   # [Hkv, B, T, G, Wc]
+    e = [e_t]
     if S:
-        e_s = torch.exp(s_sh - m[..., None]).to(dt).view(Hkv, B, T * G, S // C, C).transpose(2, 3)
-        o_s = (e_s @ vs.view(Hkv, B, S // C, C, Dh)).transpose(2, 3)              # [Hkv, B, T*G, Sc, Dh]
+        e_s = torch.exp(s_sh - m[..., None]).to(dt).view(Hkv, B, T * G, S // C, C)
+        o_s = (e_s.transpose(2, 3) @ vs.view(Hkv, B, S // C, C, Dh)).transpose(2, 3)   # [Hkv, B, T*G, Sc, Dh]
         o.insert(0, o_s.reshape(Hkv, B, T, G, S // C, Dh))
-        l.insert(0, chunk_sum(e_s.transpose(2, 3).float()).view(Hkv, B, T, G, S // C))
+        e.insert(0, e_s.view(Hkv, B, T, G, S // C, C))
+    l = chunk_sum(torch.cat(e, 4).float())                                          # [Hkv, B, T, G, Sc + Wc]
     o = torch.cumsum(torch.cat(o, 4).double(), 4)[..., -1, :]                      # sequential, position order
-    l = torch.cumsum(torch.cat(l, 4).double(), 4)[..., -1]
+    l = torch.cumsum(l.double(), 4)[..., -1]
     out = (o / l[..., None]).to(dt)                                                # [Hkv, B, T, G, Dh]
     return out.permute(1, 2, 0, 3, 4).reshape(B, T, Hq, Dh)
 

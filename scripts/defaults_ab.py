@@ -6,13 +6,15 @@ What a user gets with every default: `load_model("smollm2-135m-instruct")` (the 
 GGUF) or with dtype=bfloat16, `load_heads(<shipped heads>)`, then `generate(model, [ids], N, heads=heads)` (MTP,
 the heads' stored tree, each step sized by this machine's measured step costs), against `mtp=False` (our serial),
 against the same call with `RuntimeConfig(size_by_cost=False)` (the whole tree every step: the behaviour before the
-cost model), and against transformers' greedy `generate` on the same weights and dtype, plain and with prompt-lookup
-decoding (`prompt_lookup_num_tokens=10`: the zero-training alternative; its steps are not reported, so no τ), and
-against serial and MTP with the opt-in compiled step (`kernels="compiled"`; compiling happens in the warm-up, before
-the timed runs; its MTP rows count outputs identical to the compiled serial's). Each prompt runs every
-configuration in turn (so a slow spell of the machine hits all alike). Held-out chat prompts, the first of each
-category. Writes <out>/defaults.csv (one row per prompt, dtype and configuration: the rows of `bench.ab`, with the
-roofline fields) and prints the summary table (decode tokens / decode seconds over the prompts).
+cost model), against serial and MTP with the opt-in compiled step (`kernels="compiled"`; its MTP rows count outputs
+identical to the compiled serial's), and against transformers' greedy `generate` on the same weights and dtype:
+plain, with prompt-lookup decoding (`prompt_lookup_num_tokens=10`: the zero-training alternative; its steps are not
+reported, so no τ) and compiled (a static cache and `torch.compile` with inductor's freezing and cpp_wrapper:
+`hf_baseline.compiled_kwargs`, the strongest peer on a CPU). Everything that compiles does so in the warm-up, before
+the timed runs. Each prompt runs every configuration in turn (so a slow spell of the machine hits all alike).
+Held-out chat prompts, the first of each category. Writes <out>/defaults.csv (one row per prompt, dtype and
+configuration: the rows of `bench.ab`, with the roofline fields) and prints the summary table (decode tokens /
+decode seconds over the prompts).
 """
 import argparse
 import os
@@ -30,23 +32,28 @@ from mtp_triton.bench.hf_baseline import PROMPT_LOOKUP, hf_twin  # noqa: E402
 from mtp_triton.bundle import CHAT_PROMPTS, HEADS, SMOLLM2, encode, pick_prompts, read_prompts  # noqa: E402
 
 
-CONFIGS = ("transformers generate", "transformers prompt-lookup", "serial", "mtp (defaults)", "mtp, whole tree",
-           "serial, compiled", "mtp (defaults), compiled")
+CONFIGS = ("transformers generate", "transformers prompt-lookup", "transformers compiled", "serial", "mtp (defaults)",
+           "mtp, whole tree", "serial, compiled", "mtp (defaults), compiled")
 
 
 def summary_lines(rows):
     """The markdown table of defaults.csv rows (dicts; CSV strings or numbers): per dtype and configuration, from
-    `bench.ab.summarise`: decode tokens / decode seconds over the prompts, the ratios to our serial and to
-    transformers, tau, nodes per step, how many outputs equal their reference's (our serial, or the compiled serial
-    for the compiled MTP row), and the worst single prompt against our serial."""
-    header = ["dtype", "configuration", "decode tok/s", "vs our serial", "vs transformers", "τ", "verified nodes/step",
-              "identical to our serial", "worst prompt vs our serial"]
+    `bench.ab.summarise`: decode tokens / decode seconds over the prompts, the ratios to our serial, to transformers
+    and (where the run has it) to compiled transformers, tau, nodes per step, how many outputs equal their
+    reference's (our serial, or the compiled serial for the compiled MTP row), and the worst single prompt against
+    our serial."""
+    hfc = "transformers compiled"
+    peers = any(r["config"] == hfc for r in rows)                   # older runs lack it
+    header = ["dtype", "configuration", "decode tok/s", "vs our serial", "vs transformers",
+              *(["vs transformers compiled"] if peers else []), "τ", "verified nodes/step", "identical to our serial",
+              "worst prompt vs our serial"]
     body = []
     for name in dict.fromkeys(r["dtype"] for r in rows):
         table = summarise([r for r in rows if r["dtype"] == name])
         for c in (c for c in CONFIGS if c in table):                # older runs lack prompt-lookup and compiled
             s = table[c]
-            body.append((name, c, f"{s['tok_s']:.1f}", f"{s['vs_serial']:.2f}×", f"{s['vs_peer']:.2f}×",
+            vs_hfc = [f"{s['tok_s'] / table[hfc]['tok_s']:.2f}×" if hfc in table else "–"] if peers else []
+            body.append((name, c, f"{s['tok_s']:.1f}", f"{s['vs_serial']:.2f}×", f"{s['vs_peer']:.2f}×", *vs_hfc,
                          "–" if s["tau"] is None else f"{s['tau']:.2f}",
                          "–" if s["nodes"] is None else f"{s['nodes']:.1f}", f"{s['identical']}/{s['prompts']}",
                          f"{s['worst']:.2f}×"))
@@ -75,7 +82,8 @@ def main(argv=None):
                    Config(compiled, dict(mtp=False, kernels="compiled")),
                    Config("mtp (defaults), compiled", dict(heads=heads, kernels="compiled"), reference=compiled),
                    Config("transformers generate", peer=True),
-                   Config("transformers prompt-lookup", peer=True, prompt_lookup=PROMPT_LOOKUP)]
+                   Config("transformers prompt-lookup", dict(prompt_lookup=PROMPT_LOOKUP), peer=True),
+                   Config("transformers compiled", dict(compiled=True), peer=True)]
         warm_up(model, ids[0], configs, hf=hf, eos=eos)             # c(T), compiling: not timed
         base = dict(env_info(model.device), dtype=str(model.dtype).replace("torch.", ""),
                     threads=torch.get_num_threads(), command=cmd)

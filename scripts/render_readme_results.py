@@ -246,7 +246,11 @@ def defaults_block(path):
             "rounds differently from our exact mode, hence fewer identical outputs."
             + (" `serial, compiled` and `mtp (defaults), compiled` are the same calls with `kernels=\"compiled\"`, the "
                "opt-in compiled step (compiled before the timed runs); the compiled MTP row counts outputs identical to "
-               "the compiled serial's." if any(r["config"].endswith(", compiled") for r in rows) else ""), ""]
+               "the compiled serial's." if any(r["config"].endswith(", compiled") for r in rows) else "")
+            + (" `transformers compiled` is transformers' own compiled decoding on the same weights: a static cache "
+               "and `torch.compile` with inductor's freezing (prepacked weights) and cpp_wrapper, compiled before the "
+               "timed runs (`hf_baseline.compiled_kwargs`)." if any(r["config"] == "transformers compiled" for r in rows)
+               else ""), ""]
 
 
 def drafters_block(path):

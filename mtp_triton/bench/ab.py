@@ -6,9 +6,9 @@
     rows = [r for p in ids for r in run_prompt(model, p, 64, configs, hf=hf, eos=eos)]
     table = summarise(rows)                                      # {config: dict(tok_s, vs_serial, vs_peer, tau, ...)}
 
-A configuration is our `generate` with keyword arguments (`kw`), or the peer: transformers' greedy `generate` on a
-twin holding the same weights (`peer=True`; `prompt_lookup=n` for its prompt-lookup decoding, the zero-training
-alternative). `run_prompt` runs every configuration on one prompt, one after the other, so a slow spell of a noisy
+A configuration is our `generate` with keyword arguments (`kw`), or the peer (`peer=True`): transformers' greedy
+`generate` on a twin holding the same weights, with `kw` for `hf_baseline.time_hf` (`prompt_lookup=n`: its
+prompt-lookup decoding, the zero-training alternative; `compiled=True`: static cache and `torch.compile`). `run_prompt` runs every configuration on one prompt, one after the other, so a slow spell of a noisy
 machine hits all of them alike, and returns one row per configuration: the tokens' count, the steps, the decode
 seconds (the total minus the time to the first token: prefill excluded for every configuration alike), acceptance per
 depth, the nodes verified per step, the drafting and verify seconds, the kernels, the cost model, the roofline
@@ -36,27 +36,26 @@ SERIAL, PEER = "serial", "transformers generate"      # the default reference an
 
 @dataclass(frozen=True)
 class Config:
-    """One configuration: our generate(**kw), or (peer=True) transformers' greedy generate, with prompt-lookup
-    decoding of `prompt_lookup` draft tokens when given. reference: the configuration whose tokens
-    `identical_to_serial` compares with (None: the run's default). fields: extra row fields of this configuration."""
+    """One configuration: our generate(**kw), or (peer=True) transformers' greedy generate through
+    time_hf(**kw). reference: the configuration whose tokens `identical_to_serial` compares with (None: the run's
+    default). fields: extra row fields of this configuration."""
     name: str
     kw: dict = field(default_factory=dict)
     peer: bool = False
-    prompt_lookup: int = None
     reference: str = None
     fields: dict = field(default_factory=dict)
 
 
 def _peer_row(hf, ids, max_new, eos, cfg):
-    h = time_hf(hf, [ids], max_new, eos, warmup="none", prompt_lookup=cfg.prompt_lookup)
+    h = time_hf(hf, [ids], max_new, eos, warmup="none", **cfg.kw)
     one = h["per_prompt"][0]
-    steps = one["new_tokens"] - 1 if cfg.prompt_lookup is None else float("nan")   # prompt-lookup: not reported
+    steps = float("nan") if cfg.kw.get("prompt_lookup") else one["new_tokens"] - 1  # prompt-lookup: not reported
     return h["tokens"][0], dict(new_tokens=one["new_tokens"], steps=steps, tokens_per_step=1.0 if steps == steps
                                 else float("nan"), accept_rate_per_depth="[]",
                                 verified_nodes_per_step=1 if steps == steps else float("nan"),
                                 decode_s=one["decode_s"], ttft_s=one["ttft_s"], decode_tokens_per_s=h[
                                     "decode_tokens_per_s"], draft_s=0.0, verify_s=float("nan"),
-                                kernels="transformers generate (sdpa)", cost_model=None)
+                                kernels=h["kernels"], cost_model=None)
 
 
 def _our_row(model, ids, max_new, eos, cfg):
@@ -90,7 +89,7 @@ def warm_up(model, ids, configs, hf=None, eos=None, max_new=8):
     """Each configuration once on a short run, not recorded: compiles, the step-cost calibration, caches."""
     for cfg in configs:
         if cfg.peer:
-            time_hf(hf, [ids], max_new, eos, warmup="none", prompt_lookup=cfg.prompt_lookup)
+            time_hf(hf, [ids], max_new, eos, warmup="none", **cfg.kw)
         else:
             generate(model, [ids], max_new, eos_token_id=eos, **cfg.kw)
 

@@ -50,15 +50,35 @@ def hf_twin(model):
     return hf
 
 
-def time_hf(hf, prompts, max_new_tokens, eos_token_id=None, warmup="each", prompt_lookup=None):
+STATIC_CACHE_LEN = 512    # the compiled peer's static cache: one size for every prompt here (<= 512 positions), so
+                          # none recompiles; a longer prompt + max_new_tokens gets a larger cache (and compiles again)
+
+
+def compiled_kwargs(device):
+    """generate() keyword arguments for transformers' compiled decoding, the strongest peer a CPU user has: a static
+    KV cache of STATIC_CACHE_LEN positions and its automatic `torch.compile` of the decode forward (inductor; on a
+    CPU with `freezing`, which prepacks the weights as constants, and `cpp_wrapper`, which calls the kernels from C++
+    instead of Python). The first call compiles (minutes on a small CPU; the graphs are cached for the process)."""
+    from transformers import CompileConfig
+    cpu = torch.device(device).type == "cpu"
+    cfg = (CompileConfig(fullgraph=True, dynamic=False, mode=None, options=dict(freezing=True, cpp_wrapper=True))
+           if cpu else CompileConfig(fullgraph=True, dynamic=False))    # GPU: transformers' default, CUDA graphs
+    cfg._compile_all_devices = True            # transformers compiles on accelerators only unless told to
+    return dict(cache_implementation="static", max_cache_len=STATIC_CACHE_LEN, compile_config=cfg)
+
+
+def time_hf(hf, prompts, max_new_tokens, eos_token_id=None, warmup="each", prompt_lookup=None, compiled=False):
     """HF greedy `generate` one prompt at a time: decode tokens/s (prefill excluded as for ours), tokens/J, tokens.
     warmup: "each" (an 8-token generate before every prompt), "first" (before the first prompt only) or "none".
     prompt_lookup: n for transformers' prompt-lookup decoding (`prompt_lookup_num_tokens=n`: drafts copied from
-    n-gram matches in the context, verified by the model; no training), None for plain greedy."""
+    n-gram matches in the context, verified by the model; no training), None for plain greedy. compiled: its
+    compiled decoding (`compiled_kwargs`)."""
     dev = hf.device
     kw = dict(do_sample=False, pad_token_id=0, eos_token_id=eos_token_id)
     if prompt_lookup is not None:
         kw["prompt_lookup_num_tokens"] = prompt_lookup
+    if compiled:
+        kw.update(compiled_kwargs(dev))
     decode_s, decode_tokens, new, energy, tokens, per_prompt = 0.0, 0, 0, 0.0, [], []
     for i, p in enumerate(prompts):
         ids = torch.tensor([p], device=dev)
@@ -85,7 +105,8 @@ def time_hf(hf, prompts, max_new_tokens, eos_token_id=None, warmup="each", promp
         energy = None if energy is None or e0 is None or e1 is None else energy + (e1 - e0)
     return dict(tokens=tokens, new_tokens=new, decode_tokens=decode_tokens, decode_s=decode_s,
                 decode_tokens_per_s=decode_tokens / decode_s, energy_j=energy,
-                tokens_per_j=(new / energy) if energy else None, tokens_per_step=1.0, per_prompt=per_prompt)
+                tokens_per_j=(new / energy) if energy else None, tokens_per_step=1.0, per_prompt=per_prompt,
+                kernels="transformers generate (sdpa" + (", static cache, torch.compile)" if compiled else ")"))
 
 
 PROMPT_LOOKUP = 10                     # draft tokens per step of transformers' prompt-lookup rows (its docs' example)
