@@ -28,9 +28,10 @@ about 2 minutes cold for SmolLM2-135M in bf16 on the 2-core CPU this project mea
 ~35 s in a later process with inductor's on-disk cache (TORCHINDUCTOR_CACHE_DIR, by default a folder under the
 system's temp dir), most of it dynamo tracing the step again. What it buys there is little: one step of 1 or 8
 nodes ran 1.1-1.2x faster than eager in a scratch timing, and whole generations in the recorded library-defaults A/B
-(scripts/defaults_ab.py, README) ran 1.05x (serial) and 1.08x (MTP) eager's speed in bf16, and 0.86x / 0.90x in
-fp32, where the compiled kind gives up the plain twins for the exact path. A fresh clone's demo would spend more on
-compiling than it saves, so kernels="auto" stays eager on a CPU and "compiled" is asked for by name.
+(scripts/defaults_ab.py, README; two runs) ran 1.05x / 1.00x (serial) and 1.08x / 0.96x (MTP) eager's speed in bf16,
+and 0.86-0.90x in fp32, where the compiled kind gives up the plain twins for the exact path. A fresh clone's demo
+would spend more on compiling than it saves, so kernels="auto" stays eager on a CPU and "compiled" is asked for by
+name.
 """
 import functools
 import os

@@ -2,17 +2,19 @@
 
     configs = [Config("transformers generate", peer=True), Config("serial", dict(mtp=False)),
                Config("mtp", dict(heads=heads))]
-    warm_up(model, ids[0], configs, hf=hf_twin(model))          # compiles, c(T) and caches: not timed
-    rows = [r for p in ids for r in run_prompt(model, p, 64, configs, hf=hf, eos=eos)]
+    hf = hf_twin(model)                                          # transformers, holding the same weights
+    warm_up(model, ids[0], configs, hf=hf, eos=eos)              # compiles, c(T) and caches: not timed
+    rows = [r for p in ids for r in run_prompt(model, p, 64, configs, hf=hf, eos=eos)[0]]
     table = summarise(rows)                                      # {config: dict(tok_s, vs_serial, vs_peer, tau, ...)}
 
 A configuration is our `generate` with keyword arguments (`kw`), or the peer (`peer=True`): transformers' greedy
 `generate` on a twin holding the same weights, with `kw` for `hf_baseline.time_hf` (`prompt_lookup=n`: its
-prompt-lookup decoding, the zero-training alternative; `compiled=True`: static cache and `torch.compile`). `run_prompt` runs every configuration on one prompt, one after the other, so a slow spell of a noisy
-machine hits all of them alike, and returns one row per configuration: the tokens' count, the steps, the decode
-seconds (the total minus the time to the first token: prefill excluded for every configuration alike), acceptance per
-depth, the nodes verified per step, the drafting and verify seconds, the kernels, the cost model, the roofline
-fields (`roofline.roofline_fields`), and `identical_to_serial`: whether its tokens equal its reference configuration's
+prompt-lookup decoding, the zero-training alternative; `compiled=True`: static cache and `torch.compile`).
+`run_prompt` runs every configuration on one prompt, one after the other, so a slow spell of a noisy machine hits all
+of them alike, and returns one row per configuration: the tokens' count, the steps, the decode seconds (the total
+minus the time to the first token: prefill excluded for every configuration alike), acceptance per depth, the nodes
+verified per step, the drafting and verify seconds, the kernels, the cost model, the roofline fields
+(`roofline.roofline_fields`), and `identical_to_serial`: whether its tokens equal its reference configuration's
 (`Config.reference`, default "serial"). The demo, `prune`, `scripts/defaults_ab.py` and `scripts/drafters_ab.py` are
 each a list of configurations, a loop over their prompts and a report of `summarise`.
 
