@@ -37,7 +37,8 @@ def goals(info, retree):
     if os.path.exists(demo):
         import csv
         from mtp_triton.demo import summarise_rows
-        rows = list(csv.DictReader(open(demo, newline="")))
+        rows = [r for r in csv.DictReader(open(demo, newline=""))            # runs with these heads (rows written
+                if (r.get("drafter") or "medusa") == "medusa"]                   # before the module: the heads)
         last = max(r["timestamp"] for r in rows)
         rows = [r for r in rows if r["timestamp"] == last]                  # the newest run
         s = summarise_rows(rows)

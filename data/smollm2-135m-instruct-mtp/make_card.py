@@ -3,7 +3,6 @@ by hand.
 
     python data/smollm2-135m-instruct-mtp/make_card.py
 """
-import json
 import os
 import sys
 
@@ -11,6 +10,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 
+from mtp_triton.bench.ab import summarise  # noqa: E402
 from mtp_triton.records import read_json, read_rows, write_text  # noqa: E402
 
 AB = os.path.join(ROOT, "results", "cpu", "drafters", "drafters.csv")
@@ -39,25 +39,9 @@ def latest(rows):
 
 
 def per_set(rows):
-    """{prompt set: {configuration: summary}} of the A/B rows."""
-    num = lambda r, k: float(r[k])                                          # noqa: E731
-    res = {}
-    for ps in dict.fromkeys(r["prompt_set"] for r in rows):
-        res[ps] = {}
-        for c in dict.fromkeys(r["config"] for r in rows if r["prompt_set"] == ps):
-            sel = [r for r in rows if r["prompt_set"] == ps and r["config"] == c]
-            steps = sum(num(r, "steps") for r in sel)
-            dec = sum(num(r, "decode_s") for r in sel)
-            rates = [json.loads(r["accept_rate_per_depth"]) for r in sel]
-            depth = max(len(x) for x in rates)
-            acc = [sum(num(r, "steps") * (x[d] if d < len(x) else 0) for r, x in zip(sel, rates)) / steps
-                   for d in range(depth)]
-            res[ps][c] = dict(prompts=len(sel), tok_s=sum(num(r, "new_tokens") - 1 for r in sel) / dec,
-                              tau=sum(num(r, "new_tokens") - 1 for r in sel) / steps, acc=acc,
-                              share=sum(num(r, "draft_s") for r in sel) / dec,
-                              nodes=sum(num(r, "verified_nodes_per_step") * num(r, "steps") for r in sel) / steps,
-                              same=sum(r["identical_to_serial"] == "True" for r in sel), sample=sel[0])
-    return res
+    """{prompt set: {configuration: summary}} of the A/B rows (`mtp_triton.bench.ab.summarise`)."""
+    return {ps: summarise([r for r in rows if r["prompt_set"] == ps])
+            for ps in dict.fromkeys(r["prompt_set"] for r in rows)}
 
 
 def main():
@@ -118,12 +102,12 @@ def main():
         table = per_set(rows)
         for ps, t in table.items():
             for c, s in t.items():
-                acc = " / ".join(f"{100 * a:.0f}" for a in s["acc"][:7]) + " %" if c.startswith("mtp") else "–"
-                share = f"{100 * s['share']:.0f} %" if c.startswith("mtp") else "–"
+                acc = " / ".join(f"{100 * a:.0f}" for a in s["accept"][:7]) + " %" if c.startswith("mtp") else "–"
+                share = f"{100 * s['draft_share']:.0f} %" if c.startswith("mtp") else "–"
                 lines.append(f"| {ps} ({s['prompts']}) | {c} | {s['tok_s']:.1f} | "
                              f"{s['tok_s'] / t['serial']['tok_s']:.2f}× | "
                              f"{s['tok_s'] / t['transformers generate']['tok_s']:.2f}× | {s['tau']:.2f} | {acc} | "
-                             f"{s['nodes']:.1f} | {share} | {s['same']}/{s['prompts']} |")
+                             f"{s['nodes']:.1f} | {share} | {s['identical']}/{s['prompts']} |")
         lines += [""] + [f"- {ps}: {SETS.get(ps, ps)}" for ps in table] + [""]
         goal_rows = [(ps, t["mtp: module"]) for ps, t in table.items() if "mtp: module" in t]
         if goal_rows:
@@ -131,11 +115,11 @@ def main():
                       "| goal | " + " | ".join(ps for ps, _ in goal_rows) + " |",
                       "|---|" + "---|" * len(goal_rows)]
             checks = [("τ ≥ 3.0 (≤ 32 nodes verified)", lambda s, t: (f"{s['tau']:.2f}", s["tau"] >= 3.0)),
-                      ("depth-1 acceptance ≥ 80 %", lambda s, t: (f"{100 * s['acc'][0]:.0f} %", s["acc"][0] >= 0.8)),
-                      ("drafting ≤ 25 % of a step", lambda s, t: (f"{100 * s['share']:.0f} %", s["share"] <= 0.25)),
+                      ("depth-1 acceptance ≥ 80 %", lambda s, t: (f"{100 * s['accept'][0]:.0f} %", s["accept"][0] >= 0.8)),
+                      ("drafting ≤ 25 % of a step", lambda s, t: (f"{100 * s['draft_share']:.0f} %", s["draft_share"] <= 0.25)),
                       ("≥ 1.8× our serial, identical output", lambda s, t: (
-                          f"{s['tok_s'] / t['serial']['tok_s']:.2f}×, {s['same']}/{s['prompts']}",
-                          s["tok_s"] / t["serial"]["tok_s"] >= 1.8 and s["same"] == s["prompts"]))]
+                          f"{s['tok_s'] / t['serial']['tok_s']:.2f}×, {s['identical']}/{s['prompts']}",
+                          s["tok_s"] / t["serial"]["tok_s"] >= 1.8 and s["identical"] == s["prompts"]))]
             for name, fn in checks:
                 cells = []
                 for ps, s in goal_rows:
