@@ -137,7 +137,7 @@ def demo(argv=None):
               f"{s['hf_identical']}/{s['prompts']} |")
     s = table["all"]
     print("acceptance per depth: " + ", ".join(f"d{d + 1} {r:.0%}" for d, r in enumerate(s["accept_rate_per_depth"])))
-    cost = out_rows[1]["cost_model"]
+    cost = next(r["cost_model"] for r in out_rows if r["config"] == "mtp")
     print(f"verified nodes per step: {s['verified_nodes_per_step']:.1f} of at most {tree_size(heads, tree)}"
           + (f", sized by this machine's measured step costs: {cost}" if cost else ""))
     if predicted is not None:

@@ -50,14 +50,13 @@ class Config:
 
 def _peer_row(hf, ids, max_new, eos, cfg):
     h = time_hf(hf, [ids], max_new, eos, warmup="none", **cfg.kw)
-    one = h["per_prompt"][0]
-    steps = float("nan") if cfg.kw.get("prompt_lookup") else one["new_tokens"] - 1  # prompt-lookup: not reported
-    return h["tokens"][0], dict(new_tokens=one["new_tokens"], steps=steps, tokens_per_step=1.0 if steps == steps
-                                else float("nan"), accept_rate_per_depth="[]",
-                                verified_nodes_per_step=1 if steps == steps else float("nan"),
-                                decode_s=one["decode_s"], ttft_s=one["ttft_s"], decode_tokens_per_s=h[
-                                    "decode_tokens_per_s"], draft_s=0.0, verify_s=float("nan"),
-                                kernels=h["kernels"], cost_model=None)
+    one, nan = h["per_prompt"][0], float("nan")
+    lookup = bool(cfg.kw.get("prompt_lookup"))              # prompt-lookup: its steps are not reported
+    return h["tokens"][0], dict(new_tokens=one["new_tokens"], steps=nan if lookup else one["new_tokens"] - 1,
+                                tokens_per_step=nan if lookup else 1.0, accept_rate_per_depth="[]",
+                                verified_nodes_per_step=nan if lookup else 1, decode_s=one["decode_s"],
+                                ttft_s=one["ttft_s"], decode_tokens_per_s=h["decode_tokens_per_s"], draft_s=0.0,
+                                verify_s=nan, kernels=h["kernels"], cost_model=None)
 
 
 def _our_row(model, ids, max_new, eos, cfg):
