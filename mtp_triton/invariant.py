@@ -12,10 +12,11 @@ reduction order does not depend on the batch (here: the tree) give identical res
 (1) is a property of the machine's matmuls, within limits: on the CPUs this project has run on (oneDNN; AVX-512 BF16,
 and AMX), a bf16 matmul gives each output row the same bits whatever the row's position, the number of columns or
 batch entries, and whatever the number of rows from 2 to 32. Outside that range the kernel may change: on some of
-these CPUs a 1-row matmul takes another code path, and on AMX CPUs oneDNN blocks 33 rows or more differently (seen on 576 x 1536 and on the
-576 x 49152 LM head). So in this mode every linear layer goes through `linear`, which never hands the matmul one row
-alone and never more than MATMUL_ROWS = 32 at once; `matmul_is_row_invariant()` checks the property on the running
-machine, and `generate` warns once if it fails.
+these CPUs a 1-row matmul takes another code path, and on AMX CPUs oneDNN blocks 33 rows or more differently (seen on
+576 x 1536 and on the 576 x 49152 LM head). So in this mode every linear layer goes through `linear`, which never
+hands the matmul more than MATMUL_ROWS = 32 rows at once, nor one row alone unless a probe of that layer on the
+running machine found its 1-row call exact (packed.py); `matmul_is_row_invariant()` checks the property on the
+running machine, and `generate` warns once if it fails.
 
 (2) is what this file fixes, by making every sum follow *absolute token positions*:
   - keys are processed in chunks of C positions aligned at position 0, whatever is cached and whatever is a tree node;
@@ -45,20 +46,37 @@ MATMUL_ROWS = 32            # `linear` hands the matmul 2 .. MATMUL_ROWS rows at
 def linear(layer, x):
     """layer(x) [..., N] for x [..., K] (layer: an nn.Linear or any row-wise function), computed in pieces of
     2 .. MATMUL_ROWS rows, so that each row rounds as it would in any other call (a 1-row piece is computed beside a
-    copy of itself; n = 33 splits as 31 + 2). While torch.compile traces, a layer that `splits_rows` itself (a
-    packed linear's custom op, packed.py) gets all rows at once, so the graph does not depend on the row count."""
+    copy of itself, unless the layer is `one_row_exact`: a packed linear whose probe found that its 1-row call
+    rounds as its many-row ones (packed.py); n = 33 splits as 31 + 2). While torch.compile traces, a layer that
+    `splits_rows` itself (a packed linear's custom op, packed.py) gets all rows at once, so the graph does not
+    depend on the row count."""
     if getattr(layer, "splits_rows", False) and torch.compiler.is_compiling():
         return layer(x)
     rows = x.reshape(-1, x.shape[-1])
     n = rows.shape[0]
-    if 2 <= n <= MATMUL_ROWS:
+    if 2 <= n <= MATMUL_ROWS or (n == 1 and getattr(layer, "one_row_exact", False)):
         return layer(x)
     if n == 1:
-        return layer(rows.repeat(2, 1))[:1].reshape(*x.shape[:-1], -1)
+        return layer(torch.cat([rows, rows]))[:1].reshape(*x.shape[:-1], -1)
     sizes = [MATMUL_ROWS] * (n // MATMUL_ROWS) + ([n % MATMUL_ROWS] if n % MATMUL_ROWS else [])
     if sizes[-1] == 1:
         sizes[-2:] = [MATMUL_ROWS - 1, 2]
     return torch.cat([layer(piece) for piece in rows.split(sizes)]).reshape(*x.shape[:-1], -1)
+
+
+def order_sensitive(rows, k, n, dtype, seed=0):
+    """x [rows, k], w [n, k] in dtype on which x @ w.T rounds differently for nearly any change in the order of its
+    sums over k: a third of the products are large (~2^10), a third cancel them exactly, a third are small (~2^-4),
+    all interleaved, so the fp32 partial sums are large whenever a small product is added and lose bits of it that
+    depend on when it is added. Probes use it to tell whether two matmul calls sum alike."""
+    g = torch.Generator().manual_seed(seed)
+    t = k // 3
+    x = (1 + torch.rand(rows, k, generator=g)) * torch.randn(rows, k, generator=g).sign()
+    x[:, t:2 * t] = x[:, :t]
+    big = (1 + torch.rand(n, t, generator=g)) * 2.0 ** 10
+    w = torch.cat([big, -big, torch.randn(n, k - 2 * t, generator=g) * 2.0 ** -4], 1)
+    perm = torch.randperm(k, generator=g)
+    return x[:, perm].to(dtype), w[:, perm].to(dtype)
 
 
 def matmul_is_row_invariant(dtype=torch.bfloat16, device="cpu", trials=3):
@@ -110,9 +128,10 @@ def plan(block_table, cache_lens, tree_mask, block_size, window=None):
     pos = n[:, None] + depth                                                       # [B, T] position of each node
     # [B] first tail position. The shared part is 0 or at least 2 chunks and the tail at least 2 chunks: a chunk count
     # of 1 would make torch.compile specialise the graph on it (compiled.py). Where a chunk's keys come from does not
-    # change its partial sums (see above), so the boundary moves no bit.
+    # change its partial sums (see above), so the boundary moves no bit; hence too a step of one node (serial decoding)
+    # takes every key through the tail: one gather and one chain of calls, not two (~1/3 less time at T = 1).
     start = (n // CHUNK) * CHUNK
-    start = torch.where(start >= 2 * CHUNK, start, 0)
+    start = torch.where((start >= 2 * CHUNK) & (T > 1), start, 0)
     n_shared = int(start.max())
     W = max(2 * CHUNK, int(((n - start).max() + depth.max() + 1 + CHUNK - 1) // CHUNK) * CHUNK)
 

@@ -63,9 +63,20 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def rope_tables(positions, inv_freq):
+    """positions [...] -> cos, sin [..., Dh] in fp32 (as transformers computes them), with rotate_half's sign in sin:
+    for angles a = positions * inv_freq [..., Dh/2], cos = [cos a; cos a] and sin = [-sin a; sin a]."""
+    freqs = positions.float()[..., None] * inv_freq.float()                 # [..., Dh/2]
+    emb = torch.cat((freqs, freqs), -1)                                     # as HF: cos and sin of the [..., Dh] row
+    sin = emb.sin()
+    return emb.cos(), torch.cat((-sin[..., :freqs.shape[-1]], sin[..., freqs.shape[-1]:]), -1)
+
+
+def apply_rope(x, cos, sin):
+    """x [..., Dh] -> x cos + rotate_half(x) sin_hf, transformers' RoPE to the bit, with rotate_half(x) = [-x2; x1]
+    and sin_hf = [sin a; sin a]: here roll(x, Dh/2) = [x2; x1] times `rope_tables`' signed sin, and (-u) v rounds
+    as u (-v). Four element-wise calls, for q and k together where they come from one matmul."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 class Block(nn.Module):
@@ -121,14 +132,15 @@ def layer(x, cos, sin, blk, packed, k_cache, v_cache, k_tree, v_tree, attend):
     lin = invariant.linear if exact else _linear
     h = blk.input_layernorm(x)
     if packed:
-        q, k, v = lin(packed[0], h).split([Hq * Dh, Hkv * Dh, Hkv * Dh], -1)
+        qkv = lin(packed[0], h)
     else:
-        q, k, v = lin(blk.q_proj, h), lin(blk.k_proj, h), lin(blk.v_proj, h)
-    q, k, v = q.reshape(B, T, Hq, Dh), k.reshape(B, T, Hkv, Dh), v.reshape(B, T, Hkv, Dh)
+        qkv = torch.cat([lin(blk.q_proj, h), lin(blk.k_proj, h), lin(blk.v_proj, h)], -1)
+    qkv = qkv.reshape(B, T, Hq + 2 * Hkv, Dh)
+    qk, v = qkv[:, :, :Hq + Hkv], qkv[:, :, Hq + Hkv:]                     # [B, T, Hq + Hkv, Dh], [B, T, Hkv, Dh]
     if hasattr(blk, "q_norm"):                                             # Qwen3: per head, over Dh
-        q, k = blk.q_norm(q), blk.k_norm(k)
-    q = q * cos + rotate_half(q) * sin
-    k = k * cos + rotate_half(k) * sin
+        qk = torch.cat([blk.q_norm(qk[:, :, :Hq]), blk.k_norm(qk[:, :, Hq:])], 2)
+    qk = apply_rope(qk, cos, sin)
+    q, k = qk[:, :, :Hq], qk[:, :, Hq:]
     k_tree.copy_(k)
     v_tree.copy_(v)
     if exact:
@@ -202,10 +214,8 @@ class LlamaEngine(nn.Module):
         return PagedKVCache(self.config, capacities, block_size, self.dtype, self.device)
 
     def rope(self, positions):
-        """positions [B, T] -> cos, sin [B, T, 1, Dh] in the model dtype (computed in fp32 like HF)."""
-        freqs = positions.float()[..., None] * self.inv_freq.float()        # [B, T, Dh/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(self.dtype)[:, :, None, :], emb.sin().to(self.dtype)[:, :, None, :]
+        """positions [B, T] -> cos, sin [B, T, 1, Dh] in the model dtype (`rope_tables`: fp32 like HF, signed sin)."""
+        return [t.to(self.dtype)[:, :, None, :] for t in rope_tables(positions, self.inv_freq)]
 
     def exact_mode(self, ops):
         """Batch-invariant decoding (mtp_triton/invariant.py), which makes MTP steps bit-identical to serial ones:

@@ -34,7 +34,7 @@ from torch import nn
 
 from .heads import _check_token_map
 from .loading import check_finite as check_finite_tensors
-from .model import Block, LlamaEngine, ModelConfig, RMSNorm, rope_inv_freq, rotate_half
+from .model import Block, LlamaEngine, ModelConfig, RMSNorm, apply_rope, rope_inv_freq, rope_tables
 from .records import write_bytes, write_json
 
 MODULE_FILE, MODULE_META, FORMAT = "module.safetensors", "module.json", "mtp_triton.module/1"
@@ -111,9 +111,7 @@ class MTPModule(nn.Module):
         B, S, D = h.shape
         Hq, Hkv, Dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         m = torch.arange(S, device=h.device)
-        freqs = m.float()[:, None] * self.inv_freq(h.device)                       # [S, Dh/2]
-        emb = torch.cat((freqs, freqs), -1)
-        cos, sin = emb.cos()[None, :, None, :], emb.sin()[None, :, None, :]     # [1, S, 1, Dh]
+        cos, sin = (t[None, :, None, :] for t in rope_tables(m, self.inv_freq(h.device)))   # [1, S, 1, Dh] fp32
         window = cfg.window(0)
         e = self.enorm(embed[nxt].to(h.dtype))                                      # [B, S, D]
         ks, vs, outs, u = [], [], [], h
@@ -124,8 +122,7 @@ class MTPModule(nn.Module):
             kk, v = blk.k_proj(a).view(B, S, Hkv, Dh), blk.v_proj(a).view(B, S, Hkv, Dh)
             if cfg.qk_norm:
                 q, kk = blk.q_norm(q), blk.k_norm(kk)
-            q = q * cos.to(q.dtype) + rotate_half(q) * sin.to(q.dtype)
-            kk = kk * cos.to(kk.dtype) + rotate_half(kk) * sin.to(kk.dtype)
+            q, kk = (apply_rope(t, cos.to(t.dtype), sin.to(t.dtype)) for t in (q, kk))
             ks.append(kk)
             vs.append(v)
             seen = m[None, :] <= m[:, None] - k                                     # step 0: the committed context

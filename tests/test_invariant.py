@@ -31,6 +31,16 @@ def test_linear_rounds_every_row_as_a_two_row_call(n):
         assert torch.equal(out[0, i], f(x[i:i + 2])[0]), i
 
 
+def test_order_sensitive_inputs_show_a_change_of_summation_order():
+    """The probes' inputs: summing x @ w.T over k in two halves instead of at once (fp32 sums, bf16 out) changes most
+    outputs, where on random inputs the bf16 rounding hides nearly every such change."""
+    x, w = inv.order_sensitive(8, 576, 64, DT)
+    whole = (x.float() @ w.float().T).to(DT)
+    halves = (x[:, :288].float() @ w[:, :288].float().T + x[:, 288:].float() @ w[:, 288:].float().T).to(DT)
+    assert (whole != halves).float().mean() > 0.3
+    assert torch.equal(inv.order_sensitive(8, 576, 64, DT)[0], x)                  # seeded
+
+
 def _case(ns, tree, Hq=9, Hkv=3, Dh=64, BS=16, seed=0):
     g = torch.Generator().manual_seed(seed)
     B, T = len(ns), tree.size
