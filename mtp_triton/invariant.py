@@ -187,14 +187,17 @@ def attention(q, k_cache, v_cache, k_tree, v_tree, p, sm_scale=None, finite=Fals
     G, C, W, S = Hq // Hkv, CHUNK, p.tail_src.shape[2], p.shared_slots.shape[1]   # symbolic under torch.compile
     dt = q.dtype
     scale = Dh ** -0.5 if sm_scale is None else sm_scale
-    kc = k_cache.reshape(-1, Hkv, Dh).permute(1, 0, 2)                             # [Hkv, slots, Dh] (a view)
-    vc = v_cache.reshape(-1, Hkv, Dh).permute(1, 0, 2)
+    kc = k_cache.reshape(-1, Hkv * Dh)                                             # [slots, Hkv Dh] (a view)
+    vc = v_cache.reshape(-1, Hkv * Dh)
     qh = q.view(B, T, Hkv, G, Dh).permute(2, 0, 1, 3, 4).contiguous()              # [Hkv, B, T, G, Dh]
 
     # tail: per node, the cached positions of its last chunks, then its ancestors by depth (one gather each)
-    def tail_rows(cache_h, tree):                                                  # -> [Hkv, B, T, W, Dh]
-        src = torch.cat([cache_h[:, p.tail_cache], tree.reshape(B * T, Hkv, Dh).permute(1, 0, 2)], 1)
-        return src[:, p.tail_src]
+    def tail_rows(cache, tree):                                                    # -> [Hkv, B, T, W, Dh]
+        src = torch.cat([cache.index_select(0, p.tail_cache), tree.reshape(B * T, Hkv * Dh)])   # [B W + B T, Hkv Dh]
+        if T == 1:      # a serial step, W ~ its context: whole rows (a memcpy each), then one KV-head-major copy
+            got = src.index_select(0, p.tail_src.reshape(-1)).view(B, T, W, Hkv, Dh)
+            return got.permute(3, 0, 1, 2, 4).contiguous()
+        return src.view(-1, Hkv, Dh).permute(1, 0, 2)[:, p.tail_src]               # faster for many nodes
     kt, vt = tail_rows(kc, k_tree), tail_rows(vc, v_tree)
     if not finite:
         vt = vt.masked_fill(~p.tail_ok.permute(1, 0, 2, 3, 4)[..., 0, :, None], 0)  # no NaN from unused slots
@@ -202,7 +205,7 @@ def attention(q, k_cache, v_cache, k_tree, v_tree, p, sm_scale=None, finite=Fals
     s_tail = torch.add(p.tail_bias, qh @ kt.transpose(-1, -2), alpha=scale)        # [Hkv, B, T, G, W]
     m = s_tail.amax(-1)                                                            # [Hkv, B, T, G]; self is visible
     if S:
-        ks, vs = kc[:, p.shared_slots], vc[:, p.shared_slots]                      # [Hkv, B, S, Dh]
+        ks, vs = (c.view(-1, Hkv, Dh).permute(1, 0, 2)[:, p.shared_slots] for c in (kc, vc))   # [Hkv, B, S, Dh]
         if not finite:
             vs = vs.masked_fill(~p.shared_ok.any(2)[None, :, 0, 0, :, None], 0)
         s_sh = (qh.view(Hkv, B, T * G, Dh) @ ks.transpose(-1, -2)).view(Hkv, B, T, G, S)
@@ -218,9 +221,10 @@ def attention(q, k_cache, v_cache, k_tree, v_tree, p, sm_scale=None, finite=Fals
         o_s = (e_s.transpose(2, 3) @ vs.view(Hkv, B, S // C, C, Dh)).transpose(2, 3)   # [Hkv, B, T*G, Sc, Dh]
         o.insert(0, o_s.reshape(Hkv, B, T, G, S // C, Dh))
         e.insert(0, e_s.view(Hkv, B, T, G, S // C, C))
-    l = chunk_sum(torch.cat(e, 4).float())                                          # [Hkv, B, T, G, Sc + Wc]
-    o = torch.cumsum(torch.cat(o, 4).double(), 4)[..., -1, :]                      # sequential, position order
-    l = torch.cumsum(l.double(), 4)[..., -1]
+    cat = lambda parts: parts[0] if len(parts) == 1 else torch.cat(parts, 4)       # one step's node: no shared part
+    l = chunk_sum(cat(e).float())                                                   # [Hkv, B, T, G, Sc + Wc]
+    o = torch.cumsum(cat(o), 4, dtype=torch.float64)[..., -1, :]                   # sequential, position order
+    l = torch.cumsum(l, 4, dtype=torch.float64)[..., -1]
     out = (o / l[..., None]).to(dt)                                                # [Hkv, B, T, G, Dh]
     return out.permute(1, 2, 0, 3, 4).reshape(B, T, Hq, Dh)
 
