@@ -29,6 +29,7 @@ running machine, and `generate` warns once if it fails.
     are exact zeros, and adding zeros changes nothing.
 Chunks wholly below the earliest tree position are computed for all nodes at once from the cache ("shared"); the last
 one or two chunks are gathered per node: the cached keys of the chunk plus the node's ancestors by depth ("tail").
+A step of one node (serial decoding) gathers all its keys as its tail: the same partial sums, half the calls.
 
 Cost: the same arithmetic as plain attention plus a per-node gather of at most 2C keys; the per-step plan (masks and
 gather indices) is built once and reused by every layer. It costs a little more than the plain twin per
@@ -191,13 +192,16 @@ def attention(q, k_cache, v_cache, k_tree, v_tree, p, sm_scale=None, finite=Fals
     vc = v_cache.reshape(-1, Hkv * Dh)
     qh = q.view(B, T, Hkv, G, Dh).permute(2, 0, 1, 3, 4).contiguous()              # [Hkv, B, T, G, Dh]
 
+    def rows(src, index, *shape):       # src [R, Hkv Dh] rows index [*shape] -> [Hkv, *shape, Dh] (contiguous)
+        got = src.index_select(0, index.reshape(-1)).view(*shape, Hkv, Dh)        # whole rows: a memcpy each
+        return got.movedim(-2, 0).contiguous()                                     # then one KV-head-major copy
+
     # tail: per node, the cached positions of its last chunks, then its ancestors by depth (one gather each)
     def tail_rows(cache, tree):                                                    # -> [Hkv, B, T, W, Dh]
         src = torch.cat([cache.index_select(0, p.tail_cache), tree.reshape(B * T, Hkv * Dh)])   # [B W + B T, Hkv Dh]
-        if T == 1:      # a serial step, W ~ its context: whole rows (a memcpy each), then one KV-head-major copy
-            got = src.index_select(0, p.tail_src.reshape(-1)).view(B, T, W, Hkv, Dh)
-            return got.permute(3, 0, 1, 2, 4).contiguous()
-        return src.view(-1, Hkv, Dh).permute(1, 0, 2)[:, p.tail_src]               # faster for many nodes
+        if T == 1:                                                                 # a serial step: W ~ the context
+            return rows(src, p.tail_src, B, T, W)
+        return src.view(-1, Hkv, Dh).permute(1, 0, 2)[:, p.tail_src]    # many nodes: element-wise, faster there
     kt, vt = tail_rows(kc, k_tree), tail_rows(vc, v_tree)
     if not finite:
         vt = vt.masked_fill(~p.tail_ok.permute(1, 0, 2, 3, 4)[..., 0, :, None], 0)  # no NaN from unused slots
@@ -205,7 +209,7 @@ def attention(q, k_cache, v_cache, k_tree, v_tree, p, sm_scale=None, finite=Fals
     s_tail = torch.add(p.tail_bias, qh @ kt.transpose(-1, -2), alpha=scale)        # [Hkv, B, T, G, W]
     m = s_tail.amax(-1)                                                            # [Hkv, B, T, G]; self is visible
     if S:
-        ks, vs = (c.view(-1, Hkv, Dh).permute(1, 0, 2)[:, p.shared_slots] for c in (kc, vc))   # [Hkv, B, S, Dh]
+        ks, vs = rows(kc, p.shared_slots, B, S), rows(vc, p.shared_slots, B, S)    # [Hkv, B, S, Dh]
         if not finite:
             vs = vs.masked_fill(~p.shared_ok.any(2)[None, :, 0, 0, :, None], 0)
         s_sh = (qh.view(Hkv, B, T * G, Dh) @ ks.transpose(-1, -2)).view(Hkv, B, T, G, S)
