@@ -9,9 +9,11 @@ the "candidate count adjusted to the chip's load" of an MTP-on-NPU engineering r
 
 `step_costs` times c(T) at a few sizes with `tuning.step_cost` (the one verify-step timer) and interpolates
 linearly in between; the table is cached in $MTP_TRITON_CACHE (default ~/.cache/mtp-triton)/step_costs.json, one
-entry per (CPU or GPU, threads, torch, dtype, model shape, kernels, batch), so only a machine's first run pays the
-few seconds of measuring. Delete the file (or an entry) to measure again.
+entry per (CPU or GPU, threads, torch, dtype, model shape, kernels, batch, and the package code: a changed engine
+costs otherwise), so only a machine's first run with a given version of the code pays the few seconds of measuring.
+Delete the file (or an entry) to measure again.
 """
+import functools
 import json
 import os
 
@@ -20,6 +22,7 @@ import torch
 from .packed import packs
 from .records import cpu_model_and_flags, device_name, write_json
 from .tree import Tree
+from .version import package_hash
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)          # T measured (plus the candidate tree's own size); others interpolated
 
@@ -32,14 +35,20 @@ def cache_file():
 
 def machine_key(model, kernels, batch):
     """What c(T) depends on, as one string: the processor, threads, torch, dtype, the model's shape, kernels (and
-    whether the weights are prepacked, `packed.py`), batch."""
+    whether the weights are prepacked, `packed.py`), batch, and the package's code (`version.package_hash`, once per
+    process: any change to it measures again, rather than size trees by a step that no longer exists)."""
     c = model.config
     cpu = cpu_model_and_flags()[0] if model.device.type == "cpu" else ""
     shape = (f"L{c.num_hidden_layers} D{c.hidden_size} F{c.intermediate_size} Hq{c.num_attention_heads} "
              f"Hkv{c.num_key_value_heads} Dh{c.head_dim} V{c.vocab_size}")
     kind = f"kernels {kernels}" + (" packed" if packs(model) else "")
     return " | ".join([device_name(model.device), cpu, f"threads {torch.get_num_threads()}", f"torch {torch.__version__}",
-                       str(model.dtype).replace("torch.", ""), shape, kind, f"batch {batch}"])
+                       str(model.dtype).replace("torch.", ""), shape, kind, f"batch {batch}", f"code {_code()}"])
+
+
+@functools.lru_cache(maxsize=None)
+def _code():
+    return package_hash()
 
 
 class StepCosts:
