@@ -15,15 +15,9 @@ model's own, whatever is proposed — only the speed depends on the profile.
 import torch
 import torch.nn.functional as F
 
-from .ops import cpu_twins
+from .ops import cpu_twins, numerics
 from .packed import packed_linear
-from .records import cpu_model_and_flags
 from .reference import topk_lower_id_first
-
-
-def native_bf16():
-    """Does this CPU multiply bf16 natively (AVX-512 BF16 or AMX tiles)? Then bf16 drafting is the fast one."""
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_model_and_flags()[1])
 
 
 def bf16_draft(hidden, res_weight, res_bias, lm_head, top_k, *, token_map=None, logprobs=False):
@@ -79,8 +73,7 @@ class HeadsDrafter:
         self.lm_head, self.token_map = heads.draft_weights(model.lm_head.weight)
         cpu = cpu_twins(ops, dev)
         if draft_dtype is None:
-            draft_dtype = torch.bfloat16 if cpu and (dt == torch.bfloat16 or (
-                dt == torch.float32 and native_bf16())) else dt
+            draft_dtype = torch.bfloat16 if numerics(ops, dev, dt).draft_bf16 else dt
         if draft_dtype != dt and not (cpu and dt == torch.float32 and draft_dtype == torch.bfloat16):
             raise ValueError(f"HeadsDrafter: draft_dtype must be the model's dtype ({dt}), or torch.bfloat16 for a "
                              f"float32 model on a CPU with the PyTorch twins; got {draft_dtype}")

@@ -11,13 +11,12 @@ lossless sibling-wise rejection rule, so each emitted token is distributed as th
 loop with the one-node tree.
 """
 import time
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from . import compiled, invariant
+from . import compiled
 from .drafters import HeadsDrafter
 from .drafters_mtp import ModuleDrafter
 from .mtp_module import MTPModule
@@ -149,8 +148,6 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
     elif drafter is not None and budget > 1 and _size_by_cost(runtime, drafter, dev, ops, cuda_graph,
                                                               pinned=tree is not None):
         pruner = CostPruner(step_costs(model, budget, kernels, batch=len(prompts)))
-    if drafter is not None and model.exact_mode(ops):
-        _warn_unless_row_invariant(model.dtype, dev)
     # The kernels' value checks read tensors (a host sync each on a GPU). The loop builds every input itself
     # (a validated tree, its own block tables and lengths), so on a GPU they are skipped inside the loop.
     check = dev.type != "cuda"
@@ -222,22 +219,6 @@ def _size_by_cost(runtime, drafter, device, ops, cuda_graph, pinned):
                              "combined with cuda_graph=True (one captured graph per tree size)")
         return True
     return flag is None and not pinned and probs and cpu_twins(ops, device) and not cuda_graph
-
-
-_PROBED = {}
-
-
-def _warn_unless_row_invariant(dtype, device):
-    """Low-precision MTP on a CPU is bit-identical to serial decoding only where the machine's matmuls are row-invariant
-    (invariant.py); probe that once per dtype and device, and say so where it fails."""
-    key = (dtype, str(device))
-    if key not in _PROBED:
-        _PROBED[key] = invariant.matmul_is_row_invariant(dtype, device)
-        if not _PROBED[key]:
-            advice = "" if dtype == torch.float32 else "; use float32 for exact output"
-            warnings.warn(f"{dtype} matmuls on this CPU are not row-invariant (invariant.matmul_is_row_invariant): "
-                          f"MTP output may differ from serial decoding at near-ties{advice}", RuntimeWarning,
-                          stacklevel=3)
 
 
 def _extend(out, new, stop, max_new_tokens):

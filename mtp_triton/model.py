@@ -25,6 +25,7 @@ from torch import nn
 
 from . import invariant
 from .config import ROPE_TYPES, ModelConfig  # noqa: F401  (ModelConfig: public here too)
+from .ops import numerics
 from .packed import packed_layers
 
 def rope_inv_freq(cfg):
@@ -218,12 +219,8 @@ class LlamaEngine(nn.Module):
         return [t.to(self.dtype)[:, :, None, :] for t in rope_tables(positions, self.inv_freq)]
 
     def exact_mode(self, ops):
-        """Batch-invariant decoding (mtp_triton/invariant.py), which makes MTP steps bit-identical to serial ones:
-        always with the compiled kind of ops (a CPU path), and for bf16/fp16 models on CPU with the PyTorch twins
-        (fp32/fp64 there use the plain twins, whose greedy output matches serial decoding in practice)."""
-        if ops.kind == "compiled":
-            return True
-        return self.dtype in (torch.bfloat16, torch.float16) and self.device.type == "cpu" and ops.kind == "torch"
+        """Does this model decode batch-invariantly with `ops` (mtp_triton/invariant.py)? `ops.numerics` decides."""
+        return numerics(ops, self.device, self.dtype).exact
 
     @torch.no_grad()
     def forward_tree(self, tokens, positions, tree_mask, cache, rows, ops, check_values=True, exact=None, embeds=None):

@@ -10,10 +10,14 @@ kernels (KINDS):
     "auto"      triton on a CUDA device, torch elsewhere
 The sets have the same signatures, so swapping them changes nothing but speed (and fp rounding).
 """
+import warnings
 from types import SimpleNamespace
 
-from . import reference
+import torch
+
+from . import invariant, reference
 from .kernels import KERNELS, interpreter_enabled, launcher
+from .records import cpu_model_and_flags
 
 NAMES = tuple(KERNELS)
 KINDS = ("auto", "torch", "compiled", "triton")
@@ -42,6 +46,45 @@ def cpu_twins(ops, device):
     """Do `ops` run the PyTorch twins ("torch" or "compiled") on a CPU device? Where they do, the drafters multiply in
     bf16 and `generate` sizes each step's tree by the measured step costs."""
     return getattr(ops, "kind", None) in ("torch", "compiled") and str(device).startswith("cpu")
+
+
+def native_bf16():
+    """Does this CPU multiply bf16 natively (AVX-512 BF16 or AMX tiles)?"""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_model_and_flags()[1])
+
+
+def numerics(ops, device, dtype):
+    """The engine's numerical policy, decided here and nowhere else, for a model of `dtype` on `device` run by `ops`:
+      exact       batch-invariant decoding (invariant.py: the attention and linear layers whose rows round alike in
+                  every call), which makes an MTP step bit-identical to serial steps: always with the compiled kind,
+                  and with the PyTorch twins for a bf16/fp16 model on a CPU (fp32/fp64 there use the plain twins,
+                  whose greedy output matches serial decoding in practice; a GPU uses the Triton kernels)
+      draft_bf16  the drafters multiply in bf16 (drafters.bf16_draft; the MTP module in bf16): with the twins on a
+                  CPU, for a bf16 model, and for an fp32 one where the CPU multiplies bf16 natively (half the bytes
+                  per draft; drafts only steer speed, verification decides every token)
+    Where `exact`, the first call per (dtype, device) probes the machine's row invariance
+    (`invariant.matmul_is_row_invariant`) and warns if it fails. -> SimpleNamespace(exact, draft_bf16)"""
+    twins = cpu_twins(ops, device)
+    half = dtype in (torch.bfloat16, torch.float16)
+    exact = getattr(ops, "kind", None) == "compiled" or (twins and half and getattr(ops, "kind", None) == "torch")
+    if exact:
+        _probe_row_invariance(dtype, device)
+    return SimpleNamespace(exact=exact, draft_bf16=twins and (dtype == torch.bfloat16 or (
+        dtype == torch.float32 and native_bf16())))
+
+
+_PROBED = {}
+
+
+def _probe_row_invariance(dtype, device):
+    key = (dtype, str(device))
+    if key not in _PROBED:
+        _PROBED[key] = invariant.matmul_is_row_invariant(dtype, device)
+        if not _PROBED[key]:
+            advice = "" if dtype == torch.float32 else "; use float32 for exact output"
+            warnings.warn(f"{dtype} matmuls on this CPU are not row-invariant (invariant.matmul_is_row_invariant): "
+                          f"MTP output may differ from serial decoding at near-ties{advice}", RuntimeWarning,
+                          stacklevel=4)
 
 
 def get_ops(kernels="auto", device="cpu"):

@@ -118,17 +118,18 @@ def test_an_fp32_model_drafts_in_bf16_where_the_cpu_has_it(case, monkeypatch):
     """Drafts only steer speed: an fp32 engine on a CPU with native bf16 drafts with bf16 weights (half the LM-head
     bytes per draft), and the output is still the target's own."""
     import mtp_triton.drafters as drafters
+    import mtp_triton.ops as ops_mod
     from mtp_triton.ops import get_ops
     model, prompts, _ = case
     model = mt.LlamaEngine.from_hf(make_hf("gqa-hd16-v203-untied-L2"), dtype=torch.float32)
     ref = mt.generate(model, prompts, 24, mtp=False).tokens
     heads = mt.init_heads(model, 4, seed=2)
     ops = get_ops("torch", model.device)
-    monkeypatch.setattr(drafters, "native_bf16", lambda: True)
+    monkeypatch.setattr(ops_mod, "native_bf16", lambda: True)
     d = drafters.HeadsDrafter(heads, model, ops)
     assert d.fused_draft is drafters.bf16_draft and d.lm_head.dtype == d.res_weight.dtype == torch.bfloat16
     assert mt.generate(model, prompts, 24, heads=heads).tokens == ref
-    monkeypatch.setattr(drafters, "native_bf16", lambda: False)
+    monkeypatch.setattr(ops_mod, "native_bf16", lambda: False)
     d = drafters.HeadsDrafter(heads, model, ops)
     assert d.fused_draft is not drafters.bf16_draft and d.lm_head.dtype == torch.float32
     assert drafters.HeadsDrafter(heads, model, ops, draft_dtype=torch.bfloat16).fused_draft is drafters.bf16_draft
