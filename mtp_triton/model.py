@@ -121,8 +121,8 @@ def layer(x, cos, sin, blk, packed, k_cache, v_cache, k_tree, v_tree, attend):
 
     cos, sin [B, T, 1, Dh]; blk: the layer's Block (norms; its nn.Linear layers when packed is None); packed: its
     (qkv, o, gate_up, down) packed linears, or None; k_cache, v_cache [NB, BS, Hkv, Dh]: this layer's cache.
-    attend: an `invariant.Plan` (exact: batch-invariant attention, and linear layers that never see one row alone
-    or more than invariant.MATMUL_ROWS rows) or a `Paged` (the ops' tree_attention, plain linear layers).
+    attend: an `invariant.Plan` (exact: batch-invariant attention, and linear layers through `invariant.linear`, which
+    rounds a row alike in every call) or a `Paged` (the ops' tree_attention, plain linear layers).
         h = RMSNorm(x);  q, k, v = h Wq, h Wk, h Wv;  q, k = RoPE(q), RoPE(k);  x = x + Attn(q, K, V) Wo
         h = RMSNorm(x);  x = x + (silu(h Wg) * h Wu) Wd
     """
@@ -233,7 +233,7 @@ class LlamaEngine(nn.Module):
         check_values=False: the inputs are the same for every layer.
         Layers with a sliding window pass it to `tree_attention` (window=): the kernel derives each node's
         position from cache_lens and its depth in tree_mask, which is how `positions` are built.
-        exact: use the batch-invariant attention and never a 1-row matmul (None: `exact_mode(ops)`; prefill
+        exact: use the batch-invariant attention and `invariant.linear` (None: `exact_mode(ops)`; prefill
         passes False: it is the same call for serial and MTP decoding, so it needs no invariance).
         embeds [B, T, D]: the first layer's input instead of embed_tokens(tokens) (tokens may then be None): the MTP
         module (mtp_module.py) runs its block this way, on fc([enorm(E x); hnorm(h)]).
@@ -272,8 +272,9 @@ class LlamaEngine(nn.Module):
         return self.norm(x), k_tree, v_tree
 
     def logits(self, hidden):
-        """hidden [..., D] -> logits [..., V]. On a CPU the rows go through `invariant.linear` (never one row alone,
-        never more than invariant.MATMUL_ROWS at once), so a serial step rounds like a tree step in every dtype."""
+        """hidden [..., D] -> logits [..., V]. On a CPU the rows go through `invariant.linear` (a row alone only where
+        it rounds as among others, never more than invariant.MATMUL_ROWS at once), so a serial step rounds like a tree
+        step in every dtype."""
         packed = packed_layers(self)
         head = packed.lm_head if packed else self.lm_head
         return invariant.linear(head, hidden) if self.device.type == "cpu" else head(hidden)
