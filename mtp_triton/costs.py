@@ -77,6 +77,14 @@ class StepCosts:
         """[c(1), ..., c(T)] / c(1) as a float64 tensor [T]."""
         return torch.tensor([self.seconds(n) / self.times[0] for n in range(1, T + 1)], dtype=torch.float64)
 
+    def serial_steps(self, T, seconds, draft_seconds):
+        """A step of T verified nodes, measured as `seconds` of which `draft_seconds` drafting, in serial steps:
+            c(T) / c(1) x seconds / (seconds - draft_seconds)
+        The table's relative cost of verifying, scaled up by the measured share of drafting. Relative, so a slow
+        spell of the machine, or a longer context than the table was measured at, slows both sides alike."""
+        rest = seconds - draft_seconds
+        return self.seconds(T) / self.times[0] * (seconds / rest if rest > 0 else 1.0)
+
     def describe(self):
         """One line for stats and logs: c(T)/c(1) at the measured sizes, and where the table came from."""
         return "c(T)/c(1) " + ", ".join(f"{n}:{x / self.times[0]:.2f}" for n, x in zip(self.sizes, self.times)) \

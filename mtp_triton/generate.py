@@ -133,7 +133,6 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
             full_tree = get_tree(tree if tree is not None else stored, drafter.num_heads).to(dev)
         budget, max_depth = full_tree.size, full_tree.max_depth
         trees = _SubTrees(full_tree)
-    policy = RuntimePolicy(runtime, len(prompts), max_depth)
     rec = StatsRecorder(dev, len(prompts))
     graphs = GraphedVerify() if cuda_graph else None
     pruner = None
@@ -148,6 +147,12 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
     elif drafter is not None and budget > 1 and _size_by_cost(runtime, drafter, dev, ops, cuda_graph,
                                                               pinned=tree is not None):
         pruner = CostPruner(step_costs(model, budget, kernels, batch=len(prompts)))
+    by_cost = isinstance(pruner, CostPruner) and (runtime is None or runtime.fallback_by_cost is not False)
+    if runtime is not None and runtime.fallback_by_cost and not isinstance(pruner, CostPruner):
+        raise ValueError("RuntimeConfig.fallback_by_cost=True compares speculative steps with the measured cost of a "
+                         "serial step, which comes with size_by_cost; it is off here (size_by_cost=False, a tree "
+                         "passed in, prune_below, a GPU, or a drafter without probabilities): set size_by_cost=True")
+    policy = RuntimePolicy(runtime, len(prompts), max_depth, by_cost)
     # The kernels' value checks read tensors (a host sync each on a GPU). The loop builds every input itself
     # (a validated tree, its own block tables and lengths), so on a GPU they are skipped inside the loop.
     check = dev.type != "cuda"
@@ -173,6 +178,9 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
         depths = policy.depths(live, out, done if graphs is not None else None)
         tree, parents = (None, None) if dynamic else trees.for_depths(depths)
         frozen = torch.tensor([done[b] for b in live], device=dev) if graphs is not None else None
+        if by_cost:
+            pruner.weigh(*policy.calibration(live))
+            drafted = rec.timer.total["draft"]                  # seconds of drafting so far (CPU: per step)
         step = mtp_step(model, cache, rows, roots[rows], hidden[rows], tree, drafter, sampler, ops, parents=parents,
                         context=(live, [out[b] for b in live]), check_values=check, timer=rec.timer,
                         graphs=graphs, frozen=frozen, pruner=pruner, depths=depths)
@@ -182,7 +190,10 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
         # ---- emit (one host sync per step): accepted drafts, then the bonus; stop at EOS / length ----
         T = step.draft.shape[1]                                                     # verified nodes (pruned or not)
         host = torch.cat([step.accept_len[:, None], step.bonus[:, None], step.accept_nodes, step.draft], 1).tolist()
-        accepted, emitted, stepped = [], [], []
+        pred = None                                                                 # drafts expected accepted
+        if by_cost and pruner.predicted is not None:
+            pred, pruner.predicted = pruner.predicted.tolist(), None
+        accepted, emitted, stepped, predicted = [], [], [], []
         for a, b in enumerate(live):
             if done[b]:                                                             # frozen row (graph mode)
                 continue
@@ -193,9 +204,12 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
             accepted.append(n_acc)
             emitted.append(n)
             stepped.append((b, depths[a]))
+            predicted.append(pred[a] if pred else 0.0)
         dt = time.perf_counter() - t_step
         rec.step(dt, accepted, [d for _, d in stepped], emitted, nodes=T)
-        rec.fallbacks += policy.update([b for b, _ in stepped], [d for _, d in stepped], accepted, emitted, dt)
+        cost = pruner.costs.serial_steps(T, dt, rec.timer.total["draft"] - drafted) if by_cost else None
+        rec.fallbacks += policy.update([b for b, _ in stepped], [d for _, d in stepped], accepted, emitted, dt,
+                                       predicted, cost)
 
     cache_bytes = cache.nbytes() + (drafter.cache.nbytes() if getattr(drafter, "stateful", False) else 0)
     return GenerateResult(out, rec.finish(sum(len(o) for o in out), ops.kind, budget, cache_bytes,

@@ -10,6 +10,7 @@ kernels (KINDS):
     "auto"      triton on a CUDA device, torch elsewhere
 The sets have the same signatures, so swapping them changes nothing but speed (and fp rounding).
 """
+import functools
 import warnings
 from types import SimpleNamespace
 
@@ -48,8 +49,9 @@ def cpu_twins(ops, device):
     return getattr(ops, "kind", None) in ("torch", "compiled") and str(device).startswith("cpu")
 
 
+@functools.lru_cache(maxsize=None)
 def native_bf16():
-    """Does this CPU multiply bf16 natively (AVX-512 BF16 or AMX tiles)?"""
+    """Does this CPU multiply bf16 natively (AVX-512 BF16 or AMX tiles)? (read once: numerics() asks every forward)"""
     return bool({"avx512_bf16", "amx_bf16"} & cpu_model_and_flags()[1])
 
 

@@ -1,8 +1,17 @@
 """The runtime policy: how deep each sequence drafts this step, and what it learns from the result.
 
 Speculation pays only while drafts are accepted often enough to cover the cost of verifying them. The policy
-switches it down where it does not pay, per sequence, with four rules (off by default):
+switches it down where it does not pay, per sequence, with five rules (the first on by default on a CPU, the
+others off by default):
 
+- fallback by cost: each speculative step costs some serial steps' time (c(T) / c(1) measured, drafting included:
+  `costs.StepCosts.serial_steps`) and emits some tokens; a serial step would have emitted one per serial step.
+  A sequence's deficit, D <- max(0, D + cost - tokens) (a CUSUM test: it forgets what speculation gained and adds
+  up what it lost since), reaching `fallback_deficit` serial steps means speculation has stopped paying: the
+  sequence decodes serially for `fallback_steps` steps, twice as many after each fallback in a row (up to 8x),
+  then speculates again. On wherever the tree is sized by cost (`size_by_cost`): a prompt whose drafts are rarely
+  right then costs a little more than serial decoding (each try loses up to `fallback_deficit` serial steps),
+  instead of paying for drafting and verifying every step. Depends on timing, so not reproducible run to run;
 - cold start: the first `cold_start_tokens` new tokens of a sequence are decoded serially (depth 0), so a
   request starts exactly like the baseline and speculation begins once there is some context;
 - fallback: when a sequence's acceptance rate over its last `fallback_window` speculative steps drops below
@@ -17,11 +26,12 @@ Depth d means: nodes of the candidate tree deeper than d are switched off for th
 -1, so they cannot be accepted). Depth 0 is a serial step. Whatever the policy decides, the output is the same:
 it changes only how many tokens each step can emit.
 
-A fifth setting works inside each step rather than across steps: confidence pruning (`prune_below`, see
+A sixth setting works inside each step rather than across steps: confidence pruning (`prune_below`, see
 `step.Pruner`) verifies only the drafted nodes whose path probability under the heads is at least that value, so a
 step whose drafts look unlikely verifies a smaller tree, and costs less. Its generalisation is on by default on a
-CPU (`size_by_cost`, see `step.CostPruner`): each step verifies the n most probable drafted nodes, with n chosen so
-that expected tokens per measured second of verifying (`costs.StepCosts`, this machine's c(T)) is highest.
+CPU (`size_by_cost`, see `step.CostPruner`): each step verifies the n most probable drafted nodes, with n chosen by
+their expected tokens against their measured cost (`costs.StepCosts`, this machine's c(T)). The policy feeds it
+each sequence's recent record (`calibration`): how right the drafter's probabilities were, and the rate reached.
 """
 import math
 from collections import deque
@@ -44,10 +54,13 @@ class RuntimeConfig:
     fallback_threshold: float = None      # rolling acceptance rate below which a sequence decodes serially
     fallback_window: int = 8              # speculative steps in the rolling window
     fallback_steps: int = 16              # serial steps before speculation is tried again
+    fallback_deficit: float = 2.0         # fallback by cost: serial steps of time lost before it decodes serially
     prune_below: float = None             # confidence pruning: verify nodes with path probability >= this only
     size_by_cost: bool = None             # verify the nodes that pay on this machine (step.CostPruner); None: on a
                                           #   CPU with a drafter that reports probabilities, when generate() got
                                           #   tree=None and prune_below is not set
+    fallback_by_cost: bool = None         # serial steps while speculating is slower than serial decoding, measured;
+                                          #   None: wherever size_by_cost is on (True needs size_by_cost)
 
     def __post_init__(self):
         if self.dynamic_depth not in (None, "throughput", "acceptance"):
@@ -59,7 +72,7 @@ class RuntimeConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"RuntimeConfig: {name} must be an int >= {low}, got {value!r}")
-        for name, high in (("rise", math.inf), ("fall", math.inf), ("accept_up", 1.0), ("accept_down", 1.0),
+        for name, high in (("fallback_deficit", math.inf), ("rise", math.inf), ("fall", math.inf), ("accept_up", 1.0), ("accept_down", 1.0),
                            ("fallback_threshold", 1.0)):
             value = getattr(self, name)
             if value is None and name == "fallback_threshold":
@@ -75,6 +88,9 @@ class RuntimeConfig:
         if self.size_by_cost not in (None, True, False):
             raise ValueError(f"RuntimeConfig: size_by_cost must be None (auto), True or False, got "
                              f"{self.size_by_cost!r}")
+        if self.fallback_by_cost not in (None, True, False):
+            raise ValueError(f"RuntimeConfig: fallback_by_cost must be None (auto), True or False, got "
+                             f"{self.fallback_by_cost!r}")
         if self.size_by_cost and self.prune_below is not None:
             raise ValueError("RuntimeConfig: size_by_cost and prune_below are two ways to prune the tree; set one")
 
@@ -93,10 +109,17 @@ class RuntimeConfig:
 
 
 class RuntimePolicy:
-    """Per-sequence draft depth: `depths(...)` before a step, `update(...)` after it."""
+    """Per-sequence draft depth: `depths(...)` before a step, `update(...)` after it; `calibration(rows)` for the
+    cost pruner. by_cost: the fallback by cost is on (update() then gets each step's cost in serial steps)."""
 
-    def __init__(self, config, batch, max_depth):
+    BACKOFF = 8                                               # fallback by cost: at most 8x fallback_steps serial
+
+    def __init__(self, config, batch, max_depth, by_cost=False):
         self.cfg = config or RuntimeConfig()
+        self.by_cost = by_cost
+        self.recent = [deque(maxlen=self.cfg.fallback_window) for _ in range(batch)]  # (tokens, cost, acc, predicted)
+        self.deficit = [0.0] * batch                          # fallback by cost: serial steps lost (CUSUM)
+        self.backoff = [1] * batch                            # the next cost fallback's multiple of fallback_steps
         self.max_depth = max_depth
         start = self.cfg.start_depth if self.cfg.start_depth is not None else max_depth
         self.depth = [min(start, max_depth)] * batch          # the depth each sequence would draft at
@@ -116,14 +139,43 @@ class RuntimePolicy:
             out.append(0 if serial else self.depth[b])
         return out
 
-    def update(self, rows, depths, accepted, emitted, seconds):
-        """Learn from a step: per row its depth, accepted drafts and emitted tokens. Returns the fallbacks it began."""
+    def calibration(self, rows):
+        """(alpha, rho) per row, from its recent speculative steps, for `step.CostPruner.weigh`:
+            alpha = (accepted drafts + 1) / (predicted drafts + 1)    how right the drafter's probabilities were
+            rho   = max(1, tokens / cost in serial steps)             the rate reached, in tokens per serial step
+        (1, 1) without history."""
+        alpha, rho = [], []
+        for b in rows:
+            r = self.recent[b]
+            tokens, cost = sum(x[0] for x in r), sum(x[1] for x in r)
+            alpha.append((sum(x[2] for x in r) + 1.0) / (sum(x[3] for x in r) + 1.0))
+            rho.append(max(1.0, tokens / cost) if r and cost > 0 else 1.0)
+        return alpha, rho
+
+    def update(self, rows, depths, accepted, emitted, seconds, predicted=None, cost=None):
+        """Learn from a step: per row its depth, accepted drafts and emitted tokens; the step's seconds; with by_cost
+        also per row the drafts the cost pruner expected accepted, and the step's cost in serial steps.
+        Returns the fallbacks it began."""
         cfg = self.cfg
         self.steps += 1
         fallbacks = 0
-        for b, d, a in zip(rows, depths, accepted):
+        predicted = predicted or [0.0] * len(rows)
+        for b, d, a, e, p in zip(rows, depths, accepted, emitted, predicted):
             if d == 0:
                 continue
+            if self.by_cost:
+                self.recent[b].append((e, cost, a, p))
+                self.deficit[b] = max(0.0, self.deficit[b] + cost - e)
+                if self.deficit[b] == 0.0:                                          # speculation pays again
+                    self.backoff[b] = 1
+                elif self.deficit[b] >= cfg.fallback_deficit:                       # stopped paying: serial
+                    self.serial_until[b] = self.steps + cfg.fallback_steps * self.backoff[b]
+                    self.backoff[b] = min(2 * self.backoff[b], self.BACKOFF)
+                    self.deficit[b] = 0.0
+                    for q in (self.recent, self.window, self.full):
+                        q[b].clear()
+                    fallbacks += 1
+                    continue
             self.window[b].append((a, d))
             self.full[b].append(a >= d)
             if cfg.fallback_threshold is not None and len(self.window[b]) == cfg.fallback_window:

@@ -112,34 +112,50 @@ class Pruner:
 
 
 class CostPruner(Pruner):
-    """Size each step's verified tree by cost: keep the n nodes that maximise expected tokens per second.
+    """Size each step's verified tree by cost: keep the n nodes with the most expected tokens for their cost.
 
-        E_a(n) = 1 + sum of the n - 1 largest path probabilities of row a's drafted nodes    (tokens the step emits
-                                                                                              if the heads are right)
-        n_a = argmax_n E_a(n) / c(n),   c(n) = the measured cost of verifying n nodes (`costs.StepCosts`)
+        S_a(n)    = sum of the n - 1 largest path probabilities of row a's drafted nodes
+        gain_a(n) = 1 + alpha_a S_a(n) - rho_a c(n) / c(1)       expected tokens of the step, less what its cost buys
+        n_a       = argmax_n gain_a(n),   c(n) = the measured cost of verifying n nodes (`costs.StepCosts`)
         keep[a, i] = node i is among the n_a most probable nodes of row a (ties: the lower node first)
 
+    rho_a is the tokens per serial step's time that row a's recent speculative steps emitted, drafting included
+    (at least 1: serial decoding is always available). Maximising the long-run rate tokens / seconds means
+    maximising each step's tokens less rate x seconds (Dinkelbach's ratio method): a node is worth verifying when its
+    path probability exceeds the tokens its marginal cost would buy at the rate the sequence already reaches.
+    alpha_a calibrates the drafter: drafts accepted over drafts its probabilities predicted, on the same recent steps
+    (SmolLM2's heads are about right on code and maths and twice too confident on questions, summaries and
+    extraction). Both come from `policy.RuntimePolicy.calibration` (`weigh`); 1 and 1 without history.
     A child's path probability never exceeds its parent's, so the kept set is a subtree, as for `Pruner`, which
     this generalises: a fixed threshold becomes the threshold that pays on this machine. n_a = 1 (the root alone)
-    makes the step a serial one. Lossless whatever the costs: the choice reads only the drafter. The heads'
-    probabilities are taken at face value; drafting itself costs the same whatever n and is left out."""
+    makes the step a serial one. Lossless whatever the costs: the choice reads only the drafter and past steps.
+    After `keep`, `predicted` [A] holds each row's sum of kept path probabilities (drafts expected accepted)."""
 
     def __init__(self, costs):
         super().__init__(1.0)
         self.min_prob = 0.0                 # draft() then reports path probabilities without cutting any
         self.costs, self.ratio = costs, {}  # ratio: T -> c(1 .. T) / c(1) [T] on the device
+        self.alpha = self.rho = 1.0         # scalars or [A] float64 tensors (weigh)
+        self.predicted = None
+
+    def weigh(self, alpha, rho):
+        """Per-row calibration alpha [A] and rate rho [A] (lists or tensors) for the next `keep`."""
+        self.alpha, self.rho = (torch.as_tensor(x, dtype=torch.float64)[:, None] for x in (alpha, rho))
 
     def keep(self, path_prob, on):
         A, T = path_prob.shape
         if T not in self.ratio:
             self.ratio[T] = self.costs.ratios(T).to(path_prob.device)                    # [T] c(n) / c(1)
+        alpha, rho = (x.to(path_prob.device) if torch.is_tensor(x) else x for x in (self.alpha, self.rho))
         p = torch.where(on, path_prob.double(), 0.0)
         p[:, 0] = 2.0                                                                   # the root always first
         order = torch.sort(p, dim=1, descending=True, stable=True).indices              # [A, T]
-        gain = torch.cumsum(p.gather(1, order), dim=1) - 1.0                            # [A, T] E(n), n = 1 .. T
-        n = torch.argmax(gain / self.ratio[T], dim=1)                                   # [A] n_a - 1
+        S = torch.cumsum(p.gather(1, order), dim=1) - 2.0                               # [A, T] S(n), n = 1 .. T
+        n = torch.argmax(alpha * S - rho * self.ratio[T], dim=1)                        # [A] n_a - 1
         rank = torch.empty_like(order).scatter_(1, order, torch.arange(T, device=p.device).expand(A, T))
-        return on & (rank <= n[:, None])
+        kept = on & (rank <= n[:, None])
+        self.predicted = S.gather(1, n[:, None])[:, 0]                                  # [A]
+        return kept
 
 
 def verify(model, cache, rows, tokens, tree, ops, check_values=True, graphs=None):

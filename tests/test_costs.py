@@ -1,5 +1,6 @@
-"""The verify-step cost model (mtp_triton.costs) and the pruner it drives (step.CostPruner, on by default on a CPU):
-the table's interpolation and cache, the choice of n per row, and lossless decoding with it."""
+"""The verify-step cost model (mtp_triton.costs) and what it drives on a CPU by default: the pruner (step.CostPruner),
+and the fallback by cost with the calibration it feeds the pruner (policy.RuntimePolicy): the table's interpolation
+and cache, the choice of n per row, the fallback's deficit and backoff, and lossless decoding with both."""
 import json
 
 import pytest
@@ -9,6 +10,7 @@ import mtp_triton as mt
 from mtp_triton import costs
 from mtp_triton.costs import StepCosts, step_costs
 from mtp_triton.drafters import OracleDrafter
+from mtp_triton.policy import RuntimeConfig, RuntimePolicy
 from mtp_triton.step import CostPruner
 from mtp_triton.tree import get_tree
 from hf_models import make_hf
@@ -66,16 +68,22 @@ def test_cost_pruner_keeps_the_n_that_pays_per_row():
     dear = _pruner([1.0] + [1e6] * (T - 1))                               # any second node costs a fortune: serial
     sub, sub_tokens, _ = dear(tree, tokens[:1], prob[:1], tree.parents)
     assert sub.size == 1 and sub_tokens.tolist() == tokens[:1, :1].tolist()
-    # linear cost c(n) = 1 + 0.1 (n - 1): by hand, row 0 keeps its n most probable nodes for the best E(n) / c(n)
+    # linear cost c(n) = 1 + 0.1 (n - 1): by hand, each row keeps its n most probable nodes for the best
+    # 1 + alpha S(n) - rho c(n) / c(1), S(n) the sum of its n - 1 largest path probabilities; first without history
+    # (alpha = rho = 1), then with a drafter found twice too confident on row 1 and a rate of 1.5 on row 2
     lin = _pruner([1.0 + 0.1 * n for n in range(T)])
-    keep = lin.keep(prob, torch.ones(3, T, dtype=torch.bool))
-    for a in range(3):
-        p = sorted(prob[a, 1:].tolist(), reverse=True)
-        score = [(1 + sum(p[:n - 1])) / (1 + 0.1 * (n - 1)) for n in range(1, T + 1)]
-        n_best = score.index(max(score)) + 1
-        assert int(keep[a].sum()) == n_best
-        kept = set(keep[a].nonzero()[:, 0].tolist())
-        assert all(int(tree.parents[i]) in kept for i in kept if i > 0)   # a subtree
+    for alpha, rho in (([1.0] * 3, [1.0] * 3), ([1.0, 0.5, 1.0], [1.0, 1.0, 1.5])):
+        if alpha[1] != 1.0:
+            lin.weigh(alpha, rho)
+        keep = lin.keep(prob, torch.ones(3, T, dtype=torch.bool))
+        for a in range(3):
+            p = sorted(prob[a, 1:].tolist(), reverse=True)
+            score = [1 + alpha[a] * sum(p[:n - 1]) - rho[a] * (1 + 0.1 * (n - 1)) for n in range(1, T + 1)]
+            n_best = score.index(max(score)) + 1
+            assert int(keep[a].sum()) == n_best
+            assert float(lin.predicted[a]) == pytest.approx(sum(p[:n_best - 1]))
+            kept = set(keep[a].nonzero()[:, 0].tolist())
+            assert all(int(tree.parents[i]) in kept for i in kept if i > 0)   # a subtree
     off = torch.ones(3, T, dtype=torch.bool)
     off[:, T // 2:] = False                                               # nodes a row does not use stay off
     assert not lin.keep(prob, off)[:, T // 2:].any()
@@ -135,3 +143,59 @@ def test_an_fp32_model_drafts_in_bf16_where_the_cpu_has_it(case, monkeypatch):
     assert drafters.HeadsDrafter(heads, model, ops, draft_dtype=torch.bfloat16).fused_draft is drafters.bf16_draft
     with pytest.raises(ValueError, match="draft_dtype"):
         drafters.HeadsDrafter(heads, model, get_ops("triton", model.device), draft_dtype=torch.bfloat16)
+
+
+def test_a_step_costs_its_verify_ratio_and_its_drafting_in_serial_steps():
+    c = StepCosts([1, 2, 4], [0.10, 0.13, 0.15])
+    assert c.serial_steps(1, 0.10, 0.0) == pytest.approx(1.0)
+    assert c.serial_steps(4, 0.20, 0.05) == pytest.approx(1.5 * 0.20 / 0.15)    # c(4)/c(1), scaled by drafting
+    assert c.serial_steps(2, 0.01, 0.02) == pytest.approx(1.3)                  # a timer glitch: the ratio alone
+
+
+def test_fallback_by_cost_adds_up_the_loss_and_backs_off():
+    cfg = RuntimeConfig(fallback_steps=4, fallback_deficit=2.0)
+    pol = RuntimePolicy(cfg, batch=2, max_depth=3, by_cost=True)
+    emitted = [[1], [1]]
+
+    def step(tokens, cost, acc=0, pred=1.0):
+        depths = pol.depths([0, 1], emitted)
+        return depths, pol.update([0, 1], depths, [acc, acc], [tokens, 3], 0.05, [pred, pred], cost)
+
+    # sequence 0 emits 1 token per step costing 1.5 serial steps: 0.5 lost a step, serial after 4 steps
+    # (sequence 1 emits 3 per step: it never falls back)
+    for _ in range(3):
+        assert step(1, 1.5) == ([3, 3], 0)
+    assert pol.deficit[0] == pytest.approx(1.5) and pol.deficit[1] == 0.0
+    assert step(1, 1.5) == ([3, 3], 1)
+    for _ in range(4):                                                     # 4 serial steps, then speculation again
+        assert step(1, 1.5)[0] == [0, 3]
+    for _ in range(4):
+        assert step(1, 1.5)[0] == [3, 3]
+    for _ in range(8):                                                     # a second fallback in a row: twice as long
+        assert step(1, 1.5)[0] == [0, 3]
+    assert step(3, 1.5)[0] == [3, 3] and pol.deficit[0] == 0.0 and pol.backoff[0] == 1   # it paid: backoff reset
+    # the calibration the pruner gets: accepted over predicted drafts (+1 each), and the rate, at least 1
+    pol = RuntimePolicy(cfg, batch=1, max_depth=3, by_cost=True)
+    assert pol.calibration([0]) == ([1.0], [1.0])
+    pol.update([0], [3], [1], [2], 0.05, [3.0], 1.25)
+    pol.update([0], [3], [0], [1], 0.05, [1.0], 1.25)
+    alpha, rho = pol.calibration([0])
+    assert alpha[0] == pytest.approx((1 + 1) / (4 + 1)) and rho[0] == pytest.approx(3 / 2.5)
+    for bad in (dict(fallback_deficit=-1.0), dict(fallback_by_cost="yes")):
+        with pytest.raises(ValueError, match="fallback_"):
+            RuntimeConfig(**bad)
+
+
+def test_default_decoding_falls_back_by_cost_and_stays_lossless(case, monkeypatch):
+    model, prompts, ref = case
+    heads = mt.init_heads(model, 4, seed=2)                               # random heads: drafts rarely right
+    heads.tree = mt.get_tree("medusa-16").paths[1:]
+    monkeypatch.setattr(costs, "cache_file", lambda: "/nonexistent/step_costs.json")   # measured, not cached
+    res = mt.generate(model, prompts, 24, heads=heads, runtime=mt.RuntimeConfig(fallback_deficit=1e-9))
+    assert res.tokens == ref and res.stats.fallback_count >= 1
+    off = mt.generate(model, prompts, 24, heads=heads, runtime=mt.RuntimeConfig(fallback_by_cost=False,
+                                                                              fallback_deficit=1e-9))
+    assert off.tokens == ref and off.stats.fallback_count == 0
+    with pytest.raises(ValueError, match="fallback_by_cost=True"):
+        mt.generate(model, prompts, 4, heads=heads, runtime=mt.RuntimeConfig(fallback_by_cost=True,
+                                                                            size_by_cost=False))

@@ -116,6 +116,37 @@ def test_dynamic_tree_is_a_subtree_within_budget(model):
     assert bool((tokens[:, 0] == roots).all())
 
 
+@torch.no_grad()
+def test_serial_steps_commit_later_as_one_chain(model):
+    """Steps at depth 0 (cold start, fallback) draft nothing and commit nothing; the next drafting step commits their
+    pairs joined per sequence into one chain, which leaves the module's cache and output as committing step by step
+    does (rows may drop out in between: here sequence 1 skips the second step)."""
+    mod = random_module(model, depth=3, top_k=4, beam=2, nodes=9)
+    ops = mt.ops.get_ops("torch")
+    from mtp_triton.generate import prefill
+    cache = model.new_cache([len(p) + 8 for p in PROMPTS])
+    last, every = prefill(model, PROMPTS, cache, ops, all_hidden=True)
+    roots = model.logits(last).argmax(-1)
+    now, later = ModuleDrafter(mod, model, ops), ModuleDrafter(mod, model, ops)
+    for d in (now, later):
+        d.start(PROMPTS, every, roots, [len(p) + 40 for p in PROMPTS], 16)
+    g = torch.Generator().manual_seed(1)
+    D = model.config.hidden_size
+    for rows in ([0, 1, 2], [0, 2], [0, 1, 2]):
+        A, rows = len(rows), torch.tensor(rows)
+        h = torch.randn(A, 1, D, generator=g)
+        tokens, bonus = torch.randint(0, 203, (A, 1), generator=g), torch.randint(0, 203, (A,), generator=g)
+        for d in (now, later):
+            d.observe(rows, h, tokens, torch.zeros(A, 1, dtype=torch.int64), torch.zeros(A, dtype=torch.int64), bonus)
+        now.draft_dynamic(rows, tokens[:, 0], [1] * A)                            # commits this step's pairs
+        tree, *_ = later.draft_dynamic(rows, tokens[:, 0], [0] * A)               # a serial step: commits nothing
+        assert tree.size == 1
+    assert len(later.pending) == 3
+    later.draft_dynamic(torch.arange(3), roots, [1] * 3)
+    assert later.pending == [] and later.cache.cache_lens.tolist() == now.cache.cache_lens.tolist()
+    torch.testing.assert_close(later.f, now.f, rtol=1e-5, atol=1e-5)
+
+
 def test_sampling_ready_and_batch_rows_independent(model):
     """A prompt's greedy output does not depend on its batch-mates (the module's cache rows stay apart)."""
     mod = random_module(model, depth=3, top_k=4, beam=2, nodes=8)
