@@ -190,10 +190,10 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
         # ---- emit (one host sync per step): accepted drafts, then the bonus; stop at EOS / length ----
         T = step.draft.shape[1]                                                     # verified nodes (pruned or not)
         host = torch.cat([step.accept_len[:, None], step.bonus[:, None], step.accept_nodes, step.draft], 1).tolist()
-        pred = None                                                                 # drafts expected accepted
+        pred = kept = None                          # drafts expected accepted, the deepest node kept
         if by_cost and pruner.predicted is not None:
-            pred, pruner.predicted = pruner.predicted.tolist(), None
-        accepted, emitted, stepped, predicted = [], [], [], []
+            pred, kept, pruner.predicted = pruner.predicted.tolist(), pruner.kept_depth.tolist(), None
+        accepted, emitted, stepped, predicted, reach = [], [], [], [], []
         for a, b in enumerate(live):
             if done[b]:                                                             # frozen row (graph mode)
                 continue
@@ -205,11 +205,12 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
             emitted.append(n)
             stepped.append((b, depths[a]))
             predicted.append(pred[a] if pred else 0.0)
+            reach.append(kept[a] if kept else max_depth)
         dt = time.perf_counter() - t_step
         rec.step(dt, accepted, [d for _, d in stepped], emitted, nodes=T)
         cost = pruner.costs.serial_steps(T, dt, rec.timer.total["draft"] - drafted) if by_cost else None
         rec.fallbacks += policy.update([b for b, _ in stepped], [d for _, d in stepped], accepted, emitted, dt,
-                                       predicted, cost)
+                                       predicted, cost, reach)
 
     cache_bytes = cache.nbytes() + (drafter.cache.nbytes() if getattr(drafter, "stateful", False) else 0)
     return GenerateResult(out, rec.finish(sum(len(o) for o in out), ops.kind, budget, cache_bytes,

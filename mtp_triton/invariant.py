@@ -119,22 +119,25 @@ class Plan:
     tail_bias: torch.Tensor     # [1, B, T, 1, W] float32: the same for tail_ok
 
 
-def plan(block_table, cache_lens, tree_mask, block_size, window=None):
-    """Build the step's Plan. tree_mask [T, T] or [B, T, T] bool (reflexive, ancestors); cache_lens [B]."""
+def plan(block_table, cache_lens, tree_mask, block_size, window=None, min_chunks=1):
+    """Build the step's Plan. tree_mask [T, T] or [B, T, T] bool (reflexive, ancestors); cache_lens [B].
+    min_chunks: the fewest chunks of a non-empty shared part and of the tail (2 for torch.compile, see below)."""
     dev = cache_lens.device
     B, T = cache_lens.shape[0], tree_mask.shape[-1]
     mask = tree_mask.expand(B, T, T)
     depth = mask.sum(-1) - 1                                                       # [B, T]
     n = cache_lens.long()                                                          # [B]
     pos = n[:, None] + depth                                                       # [B, T] position of each node
-    # [B] first tail position. The shared part is 0 or at least 2 chunks and the tail at least 2 chunks: a chunk count
-    # of 1 would make torch.compile specialise the graph on it (compiled.py). Where a chunk's keys come from does not
-    # change its partial sums (see above), so the boundary moves no bit; hence too a step of one node (serial decoding)
-    # takes every key through the tail: one gather and one chain of calls, not two (~1/3 less time at T = 1).
+    # [B] first tail position. The shared part is 0 or at least min_chunks chunks and so is the tail: compiled code
+    # asks for 2, since a chunk count of 1 would make torch.compile specialise the graph on it (compiled.py); eager
+    # code takes 1, and a tree step then gathers one tail chunk per node instead of two. Where a chunk's keys come
+    # from does not change its partial sums, and chunks past a node's keys add exact zeros (see above), so neither
+    # choice moves a bit; hence too a step of one node (serial decoding) takes every key through the tail: one
+    # gather and one chain of calls, not two (~1/3 less time at T = 1).
     start = (n // CHUNK) * CHUNK
-    start = torch.where((start >= 2 * CHUNK) & (T > 1), start, 0)
+    start = torch.where((start >= min_chunks * CHUNK) & (T > 1), start, 0)
     n_shared = int(start.max())
-    W = max(2 * CHUNK, int(((n - start).max() + depth.max() + 1 + CHUNK - 1) // CHUNK) * CHUNK)
+    W = max(min_chunks * CHUNK, int(((n - start).max() + depth.max() + 1 + CHUNK - 1) // CHUNK) * CHUNK)
 
     def slot(p):                                    # flat cache slot of cached positions p [B, X] (p < n)
         blk = block_table.long().gather(1, (p // block_size).clamp(max=block_table.shape[1] - 1))

@@ -263,7 +263,8 @@ class LlamaEngine(nn.Module):
             w = cfg.window(l)
             if exact:
                 if w not in plans:
-                    plans[w] = invariant.plan(block_table, cache_lens, tree_mask, cache.block_size, w)
+                    plans[w] = invariant.plan(block_table, cache_lens, tree_mask, cache.block_size, w,
+                                              min_chunks=1 if run is layer else 2)     # compiled: 2 (plan())
                 attend = plans[w]
             else:
                 attend = Paged(ops, block_table, cache_lens, tree_mask, w, check_values and l == 0)

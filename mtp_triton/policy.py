@@ -11,7 +11,9 @@ others off by default):
   sequence decodes serially for `fallback_steps` steps, twice as many after each fallback in a row (up to 8x),
   then speculates again. On wherever the tree is sized by cost (`size_by_cost`): a prompt whose drafts are rarely
   right then costs a little more than serial decoding (each try loses up to `fallback_deficit` serial steps),
-  instead of paying for drafting and verifying every step. Depends on timing, so not reproducible run to run;
+  instead of paying for drafting and verifying every step. Depends on timing, so not reproducible run to run.
+  With it, a sequence drafts at most one level deeper than the deepest node the pruner kept at its last step
+  (drafting the levels nobody verifies is wasted: SmolLM2's heads draft 7 levels and the pruner keeps 2-3);
 - cold start: the first `cold_start_tokens` new tokens of a sequence are decoded serially (depth 0), so a
   request starts exactly like the baseline and speculation begins once there is some context;
 - fallback: when a sequence's acceptance rate over its last `fallback_window` speculative steps drops below
@@ -119,6 +121,7 @@ class RuntimePolicy:
         self.by_cost = by_cost
         self.recent = [deque(maxlen=self.cfg.fallback_window) for _ in range(batch)]  # (tokens, cost, acc, predicted)
         self.deficit = [0.0] * batch                          # fallback by cost: serial steps lost (CUSUM)
+        self.reach = [max_depth] * batch                      # ... and the deepest node kept at the last step
         self.backoff = [1] * batch                            # the next cost fallback's multiple of fallback_steps
         self.max_depth = max_depth
         start = self.cfg.start_depth if self.cfg.start_depth is not None else max_depth
@@ -136,7 +139,7 @@ class RuntimePolicy:
         for b in rows:
             serial = (len(emitted[b]) < self.cfg.cold_start_tokens or self.steps < self.serial_until[b]
                       or (done is not None and done[b]))
-            out.append(0 if serial else self.depth[b])
+            out.append(0 if serial else min(self.depth[b], self.reach[b] + 1) if self.by_cost else self.depth[b])
         return out
 
     def calibration(self, rows):
@@ -152,18 +155,21 @@ class RuntimePolicy:
             rho.append(max(1.0, tokens / cost) if r and cost > 0 else 1.0)
         return alpha, rho
 
-    def update(self, rows, depths, accepted, emitted, seconds, predicted=None, cost=None):
+    def update(self, rows, depths, accepted, emitted, seconds, predicted=None, cost=None, kept_depth=None):
         """Learn from a step: per row its depth, accepted drafts and emitted tokens; the step's seconds; with by_cost
-        also per row the drafts the cost pruner expected accepted, and the step's cost in serial steps.
+        also per row the drafts the cost pruner expected accepted and the depth of the deepest node it kept, and the
+        step's cost in serial steps.
         Returns the fallbacks it began."""
         cfg = self.cfg
         self.steps += 1
         fallbacks = 0
         predicted = predicted or [0.0] * len(rows)
-        for b, d, a, e, p in zip(rows, depths, accepted, emitted, predicted):
+        kept_depth = kept_depth or [self.max_depth] * len(rows)
+        for b, d, a, e, p, k in zip(rows, depths, accepted, emitted, predicted, kept_depth):
             if d == 0:
                 continue
             if self.by_cost:
+                self.reach[b] = k
                 self.recent[b].append((e, cost, a, p))
                 self.deficit[b] = max(0.0, self.deficit[b] + cost - e)
                 if self.deficit[b] == 0.0:                                          # speculation pays again

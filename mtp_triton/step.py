@@ -75,13 +75,15 @@ class Pruner:
     (parent -1, as the runtime policy's depth limit does); at batch 1 it is exactly the kept nodes. A child's
     path probability never exceeds its parent's, so the kept set is a subtree. Lossless whatever min_prob is:
     which nodes are verified depends only on the drafter, never on the target, and acceptance is unchanged.
-    Sub-trees are built once per set of kept nodes and cached."""
+    Sub-trees are built once per set of kept nodes and cached. After a call, `kept_depth` [A] is each row's deepest
+    kept node."""
 
     def __init__(self, min_prob):
         if not 0.0 < float(min_prob) <= 1.0:
             raise ValueError(f"Pruner: min_prob must be in (0, 1], got {min_prob!r}")
         self.min_prob = float(min_prob)
         self.trees = {}                     # (tree.paths, kept nodes) -> the sub-tree
+        self.kept_depth = None
         self.ancestors = {}                 # (tree.paths, device) -> mask.T as float [T, T] (for the ancestor check's matmul)
 
     def keep(self, path_prob, on):
@@ -101,6 +103,7 @@ class Pruner:
         if anc is None:
             anc = self.ancestors[key] = tree.mask.T.float()
         keep &= (~keep).float() @ anc == 0                                          # every ancestor kept too
+        self.kept_depth = (keep.long() * tree.depth).amax(1)                        # [A] deepest kept node
         idx = keep.any(0).nonzero()[:, 0]                                           # [T'] (a host sync)
         key = (tree.paths, tuple(idx.tolist()))
         if key not in self.trees:

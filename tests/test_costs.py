@@ -174,6 +174,9 @@ def test_fallback_by_cost_adds_up_the_loss_and_backs_off():
     for _ in range(8):                                                     # a second fallback in a row: twice as long
         assert step(1, 1.5)[0] == [0, 3]
     assert step(3, 1.5)[0] == [3, 3] and pol.deficit[0] == 0.0 and pol.backoff[0] == 1   # it paid: backoff reset
+    # a sequence drafts at most one level below the deepest node the pruner kept at its last step
+    pol.update([0, 1], [3, 3], [0, 0], [3, 3], 0.05, [1.0, 1.0], 1.0, [1, 0])
+    assert pol.depths([0, 1], emitted) == [2, 1]
     # the calibration the pruner gets: accepted over predicted drafts (+1 each), and the rate, at least 1
     pol = RuntimePolicy(cfg, batch=1, max_depth=3, by_cost=True)
     assert pol.calibration([0]) == ([1.0], [1.0])
