@@ -15,7 +15,9 @@ import torch
 
 import mtp_triton as mt
 from mtp_triton.bench import e2e, profile_step, tables
+from mtp_triton.bench.ab import SERIAL, Config, run_prompts
 from mtp_triton.tree import Tree
+from mtp_triton.tuning import step_cost
 from hf_models import make_hf
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -110,25 +112,37 @@ def test_analytic_model_matches_the_oracle_exactly(tiny, p, tau):
     d = e2e.oracle_drafting(p)
     chain = Tree.chain(4)
     truth = e2e.serial_truth(model, prompts, 21, d.num_heads)
-    serial = e2e.run_generate(model, prompts, 21)
-    r = e2e.run_generate(model, prompts, 21, drafting=d, truth=truth, tree=chain)   # 1 + 4 steps x 5 tokens
-    assert r["tokens"] == serial["tokens"], "verification is real: the output must be the model's own"
-    assert r["tokens_per_step"] == pytest.approx(tau)
+    configs = [Config(SERIAL, dict(mtp=False)), e2e.mtp_config("mtp", model, d, chain, truth)]
+    table, tokens = e2e.measure(e2e.Target("embedded", model, prompts, "tiny"), configs, 21)   # 1 + 4 steps x 5
+    assert tokens["mtp"] == tokens[SERIAL], "verification is real: the output must be the model's own"
+    assert table["mtp"]["identical"] == len(prompts)
+    assert table["mtp"]["tau"] == pytest.approx(tau)
     assert tables.expected_tokens_per_step(chain, d.acc) == pytest.approx(tau)
 
 
-def test_verify_step_seconds_runs(tiny):
+def test_verify_step_timer_runs(tiny):
+    """The tables' c(T) comes from the one verify-step timer, `tuning.step_cost`."""
     model, _ = tiny
-    t1 = tables.verify_step_seconds(model, Tree.root_only(), cache_len=9)
-    t9 = tables.verify_step_seconds(model, Tree.chain(8), cache_len=9)
+    t1, t9 = step_cost(model, [Tree.root_only(), Tree.chain(8)], context=9)
     assert t1 > 0 and t9 > 0
+
+
+def test_ab_batches_count_every_sequence(tiny):
+    """At batch 2 a row is one group: decode tokens are new tokens - 1 per sequence, and the serial tokens equal
+    batch 1's."""
+    model, prompts = tiny
+    target = e2e.Target("embedded", model, prompts, "tiny")
+    one, tok1 = e2e.measure(target, [Config(SERIAL, dict(mtp=False))], 7)
+    two, tok2 = e2e.measure(target, [Config(SERIAL, dict(mtp=False))], 7, batch=2)
+    assert tok1 == tok2 and two[SERIAL]["prompts"] == 1 and one[SERIAL]["prompts"] == 2
+    assert one[SERIAL]["tau"] == pytest.approx(1.0) and two[SERIAL]["tau"] == pytest.approx(1.0)
 
 
 # ---- measurement plumbing ---------------------------------------------------------------------------------
 def test_hf_twin_holds_the_same_weights(tiny):
     model, prompts = tiny
     hf = e2e.hf_twin(model)
-    ours = e2e.run_generate(model, prompts, 6)["tokens"]
+    ours = run_prompts(model, prompts, 6, [Config(SERIAL, dict(mtp=False))])[1][SERIAL]
     theirs = e2e.time_hf(hf, prompts, 6)["tokens"]
     assert theirs == ours
 
@@ -329,7 +343,7 @@ def test_gpu_profiling_paths():
     ker = profile_step.kernel_rows(model, prompts, 9, "chain-2", kw)
     cats = {r["category"] for r in ker if r["table"] == "kernel_categories"}
     assert {"attention", "draft"} <= cats, cats
-    assert tables.verify_step_seconds(model, Tree.chain(2), cache_len=33, kernels="triton") > 0
+    assert min(step_cost(model, [Tree.chain(2)], context=33, kernels="triton")) > 0
     energy = e2e.gpu_energy_j("cuda")
     assert energy is None or energy > 0
     r = e2e.time_hf(e2e.hf_twin(model), prompts, 6)

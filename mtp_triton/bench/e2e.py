@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 import torch
 
 from ..drafters import OracleDrafter
-from ..generate import generate
 from ..ops import KINDS
 from ..model import LlamaEngine, ModelConfig
 from ..mtp_module import MTPModule, is_module_folder
@@ -36,7 +35,8 @@ from ..tree import Tree, get_tree
 from ..bundle import (CHAT_PROMPTS, EMBEDDED, PROMPTS, ROOT, SMOLLM2, encode, heads_dir_for, load_bundle, load_embedded,
                       pick_prompts, pick_tree, read_accuracy, read_prompts)
 from .common import ensure_writable_dir, env_info, int_at_least, save_rows
-from .hf_baseline import hf_rows, hf_twin, time_hf  # noqa: F401  (the HF baseline, kept importable from here)
+from .ab import SERIAL, Config, resolved, run_prompts, summarise, warm_up
+from .hf_baseline import PROMPT_LOOKUP, hf_twin, time_hf  # noqa: F401  (the HF baseline, kept importable from here)
 
 # Llama-2-7B (Touvron et al. 2023): 6.7 B parameters, 13.5 GB in bf16.
 LLAMA7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
@@ -274,104 +274,87 @@ def drafting_tree(target, drafting, budget=16):
     return get_tree("tuned", drafting.num_heads, accuracy=drafting.acc, budget=budget)
 
 
-# ---- running and timing -----------------------------------------------------------------------------------
-def run_generate(model, prompts, max_new_tokens, *, batch=1, drafting=None, truth=None, tree=None, **kw):
-    """generate() over the prompts in groups of `batch`; returns the aggregated stats (see `aggregate`).
-
-    drafting None runs the serial baseline. An oracle drafting needs `truth`: each prompt's serial continuation
-    (at least max_new_tokens + its depth tokens long) from `serial_truth`.
-    """
-    results = []
-    for lo in range(0, len(prompts), batch):
-        group = prompts[lo: lo + batch]
-        if drafting is None:
-            extra = dict(mtp=False)
-        else:
-            extra = drafting.kwargs(truth[lo: lo + batch] if truth else None, model.config.vocab_size, lo, tree)
-        results.append(generate(model, group, max_new_tokens, **extra, **kw))
-    return aggregate(results)
+# ---- running and timing (the A/B core, `ab`) --------------------------------------------------------------
+PEERS = (Config("hf-generate", peer=True), Config("hf-prompt-lookup", dict(prompt_lookup=PROMPT_LOOKUP), peer=True))
+PEER_CONFIG = {"hf-generate": "serial", "hf-prompt-lookup": f"prompt-lookup-{PROMPT_LOOKUP}"}   # rows' `config`
 
 
-def serial_truth(model, prompts, max_new_tokens, depth, batch=1, **kw):
+def serial_truth(model, prompts, max_new_tokens, depth, batch=1, eos=None, **kw):
     """The serial continuations the oracle proposes from (depth extra tokens, so the last step can draft too)."""
-    return run_generate(model, prompts, max_new_tokens + depth, batch=batch, **kw)["tokens"]
+    return run_prompts(model, prompts, max_new_tokens + depth, [Config(SERIAL, dict(kw, mtp=False))],
+                       batch=batch, eos=eos)[1][SERIAL]
 
 
-def aggregate(results):
-    """Sum a list of GenerateResults into one record: decode tokens/s over all, weighted acceptance, phases."""
-    st = [r.stats.as_dict() for r in results]
-    B = sum(len(r.tokens) for r in results)
-    new = sum(s["new_tokens"] for s in st)
-    decode_tokens = new - B
-    decode_s = sum(s["total_s"] - s["ttft_s"] for s in st)
-    seq_steps = [((s["new_tokens"] - len(r.tokens)) / s["tokens_per_step"])
-                 if s["tokens_per_step"] == s["tokens_per_step"] and s["tokens_per_step"] > 0 else 0
-                 for r, s in zip(results, st)]
-    depth = max((len(s["accept_rate_per_depth"]) for s in st), default=0)
-    rates = []
-    for d in range(depth):
-        w = [(n, s["accept_rate_per_depth"][d]) for n, s in zip(seq_steps, st) if d < len(s["accept_rate_per_depth"])]
-        tot = sum(n for n, _ in w)
-        rates.append(sum(n * r for n, r in w) / tot if tot else float("nan"))
-    energies = [s.get("energy_j") for s in st]
-    energy = sum(energies) if energies and all(e is not None for e in energies) else None
-    steps = sum(seq_steps)
-    return dict(
-        tokens=[t for r in results for t in r.tokens], sequences=B, new_tokens=new, decode_tokens=decode_tokens,
-        decode_s=decode_s, total_s=sum(s["total_s"] for s in st),
-        decode_tokens_per_s=decode_tokens / decode_s if decode_s > 0 else float("nan"),
-        ttft_s=sum(s["ttft_s"] for s in st) / len(st), seq_steps=steps,
-        tokens_per_step=decode_tokens / steps if steps else float("nan"), accept_rate_per_depth=rates,
-        time_draft_s=sum(s["time_draft_s"] for s in st), time_verify_s=sum(s["time_verify_s"] for s in st),
-        time_accept_s=sum(s["time_accept_s"] for s in st), time_append_s=sum(s["time_append_s"] for s in st),
-        energy_j=energy, tokens_per_j=(new / energy) if energy else None,
-        peak_memory_bytes=max((s["peak_memory_bytes"] or 0) for s in st), kernels=st[0]["kernels"],
-        tree_size=st[0]["tree_size"])
+def mtp_config(name, model, drafting, tree, truth=None, **kw):
+    """The MTP configuration of a drafting: its generate() keyword arguments for the prompts [lo, hi) (an oracle's
+    drafts come from those prompts' serial continuations `truth`)."""
+    V = model.config.vocab_size
+    return Config(name, lambda lo, hi: dict(kw, **drafting.kwargs(truth[lo:hi] if truth else None, V, lo, tree)))
 
 
-def _fmt_rates(rates):
-    return json.dumps([round(r, 4) for r in rates])
+def measure(target, configs, max_new_tokens, *, batch=1, hf=None, reference=SERIAL):
+    """The configurations interleaved on every group of `batch` prompts, after one warm-up of each (`ab.warm_up`).
+    -> ({config: `ab.summarise` entry}, {config: tokens of every prompt})."""
+    prompts, eos = target.prompts, target.eos_token_id
+    warm_up(target.model, prompts[:batch], resolved(configs, 0, min(batch, len(prompts))), hf=hf, eos=eos,
+            max_new=min(16, max_new_tokens))
+    rows, tokens = run_prompts(target.model, prompts, max_new_tokens, configs, batch=batch, hf=hf, eos=eos,
+                               reference=reference)
+    return summarise(rows, reference=reference), tokens
+
+
+def summary_row(base, s, **extra):
+    """One measured CSV row of e2e and tables from an `ab.summarise` entry s."""
+    nan = float("nan")
+    mib = s["peak_memory_bytes"] / 2 ** 20 if s["peak_memory_bytes"] is not None else None
+    return dict(base, tree_size=s["tree_size"], kernels=s["kernels"], tokens_per_s=s["tok_s"],
+                ms_per_token=1e3 / s["tok_s"], speedup_vs_serial=s["vs_serial"],
+                tau=s["tau"] if s["tau"] is not None else nan,
+                accept_rate_per_depth=json.dumps([round(x, 4) for x in s["accept"]]), ttft_ms=1e3 * s["ttft_s"],
+                peak_memory_MB=mib, energy_j=s["energy_j"], tokens_per_j=s["tokens_per_j"],
+                identical_to_serial=s["identical"] == s["prompts"], **extra)
+
+
+def peer_rows(base, table):
+    """The transformers rows (PEERS) of a `measure` table: greedy and prompt-lookup generate vs our serial engine."""
+    rows = []
+    for cfg in PEERS:
+        s = table[cfg.name]
+        rows.append(summary_row(dict(base, provider=cfg.name, batch=1, config=PEER_CONFIG[cfg.name]), s,
+                                note=f"{cfg.name} vs our serial engine (batch 1): {s['identical']}/{s['prompts']} "
+                                     "sequences token-identical; speedup_vs_serial = its tok/s / ours"))
+    return rows
 
 
 # ---- the A/B ----------------------------------------------------------------------------------------------
 def ab_rows(target, drafting, max_new_tokens, batches=(1,), tree=None, kernels="auto", hf=True, run_id=None):
-    """Serial vs MTP on our engine at each batch size, plus HF generate (batch 1) on the same weights."""
+    """Serial vs MTP on our engine at each batch size (on a GPU both also with the verify step as a CUDA graph),
+    plus transformers' greedy and prompt-lookup generate (batch 1) on the same weights, all interleaved per group
+    of prompts."""
     model, dev = target.model, target.model.device
     env = env_info(dev)
     tree = tree or drafting_tree(target, drafting)
     base = dict(env, table="e2e", run_id=run_id or env["timestamp"], **target.row(),
                 max_new_tokens=max_new_tokens, drafter=drafting.label, synthetic_drafts=drafting.synthetic)
-    kw = dict(kernels=kernels, eos_token_id=target.eos_token_id)
-    rows, serial_b1 = [], None
+    kw = dict(kernels=kernels)
+    twin = hf_twin(model) if hf else None
+    rows = []
     for batch in batches:
-        truth = serial_truth(model, target.prompts, max_new_tokens, drafting.num_heads, batch=batch, **kw)
-        ser = run_generate(model, target.prompts, max_new_tokens, batch=batch, **kw)
-        run_generate(model, target.prompts[:1], min(16, max_new_tokens), batch=batch, drafting=drafting,
-                     truth=truth, tree=tree, **kw)                                 # warm-up (kernel compiles)
-        mtp = run_generate(model, target.prompts, max_new_tokens, batch=batch, drafting=drafting, truth=truth,
-                           tree=tree, **kw)
-        serial_b1 = serial_b1 or ser
-        runs = [("ours-serial", ser), ("ours-mtp", mtp)]
+        truth = serial_truth(model, target.prompts, max_new_tokens, drafting.num_heads, batch,
+                             target.eos_token_id, **kw) if drafting.synthetic else None
+        configs = [Config(SERIAL, dict(kw, mtp=False)), mtp_config("ours-mtp", model, drafting, tree, truth, **kw)]
         if dev.type == "cuda":       # the same runs with the verify step replayed as a CUDA graph
-            run_generate(model, target.prompts[:1], min(16, max_new_tokens), batch=batch, drafting=drafting,
-                         truth=truth, tree=tree, cuda_graph=True, **kw)            # warm-up (capture)
-            runs += [("ours-serial-graph", run_generate(model, target.prompts, max_new_tokens, batch=batch,
-                                                        cuda_graph=True, **kw)),
-                     ("ours-mtp-graph", run_generate(model, target.prompts, max_new_tokens, batch=batch,
-                                                     drafting=drafting, truth=truth, tree=tree, cuda_graph=True,
-                                                     **kw))]
-        for provider, r in runs:
-            rows.append(dict(base, provider=provider, batch=batch, config="serial" if "serial" in provider
-                             else "tree", cuda_graph=provider.endswith("-graph"), tree_size=r["tree_size"],
-                             kernels=r["kernels"],
-                             tokens_per_s=r["decode_tokens_per_s"], ms_per_token=1e3 / r["decode_tokens_per_s"],
-                             speedup_vs_serial=r["decode_tokens_per_s"] / ser["decode_tokens_per_s"],
-                             tau=r["tokens_per_step"], accept_rate_per_depth=_fmt_rates(r["accept_rate_per_depth"]),
-                             ttft_ms=1e3 * r["ttft_s"], peak_memory_MB=r["peak_memory_bytes"] / 2 ** 20,
-                             energy_j=r["energy_j"], tokens_per_j=r["tokens_per_j"],
-                             identical_to_serial=r["tokens"] == ser["tokens"]))
-    if hf:
-        rows += hf_rows(target, max_new_tokens, serial_b1, base)
+            configs += [Config("ours-serial-graph", dict(kw, mtp=False, cuda_graph=True)),
+                        mtp_config("ours-mtp-graph", model, drafting, tree, truth, cuda_graph=True, **kw)]
+        peers = list(PEERS) if twin is not None and batch == 1 else []
+        table, _ = measure(target, configs + peers, max_new_tokens, batch=batch, hf=twin)
+        for cfg in configs:
+            provider = "ours-serial" if cfg.name == SERIAL else cfg.name
+            rows.append(summary_row(dict(base, provider=provider, batch=batch,
+                                         config="serial" if "serial" in provider else "tree",
+                                         cuda_graph=provider.endswith("-graph")), table[cfg.name]))
+        if peers:
+            rows += peer_rows(base, table)
     return rows
 
 

@@ -2,7 +2,7 @@
 
 `hf_twin` builds a `transformers.LlamaForCausalLM` holding exactly our engine's weights; `time_hf` times its greedy
 generate the way ours is timed (decode tokens/s excludes prefill: generate(N) minus generate(1) on the same prompt);
-`hf_rows` are the CSV rows that compare it, plain and with prompt-lookup decoding, with our serial engine.
+`bench.ab` runs it as a peer configuration beside ours.
 """
 import time
 
@@ -110,29 +110,3 @@ def time_hf(hf, prompts, max_new_tokens, eos_token_id=None, warmup="each", promp
 
 
 PROMPT_LOOKUP = 10                     # draft tokens per step of transformers' prompt-lookup rows (its docs' example)
-
-
-def hf_rows(target, max_new_tokens, ours_serial, base):
-    """HF generate(do_sample=False) on a twin holding the same weights, batch 1, vs our serial engine: plain greedy
-    (provider hf-generate) and prompt-lookup decoding (hf-prompt-lookup, the zero-training alternative). -> 2 rows"""
-    twin = hf_twin(target.model)
-    try:
-        runs = [("hf-generate", "serial", time_hf(twin, target.prompts, max_new_tokens, target.eos_token_id)),
-                ("hf-prompt-lookup", f"prompt-lookup-{PROMPT_LOOKUP}",
-                 time_hf(twin, target.prompts, max_new_tokens, target.eos_token_id, prompt_lookup=PROMPT_LOOKUP))]
-    finally:
-        del twin
-        if target.model.device.type == "cuda":
-            torch.cuda.empty_cache()
-    rows = []
-    for provider, config, r in runs:
-        same = sum(a == b for a, b in zip(r["tokens"], ours_serial["tokens"]))
-        rows.append(dict(base, provider=provider, batch=1, config=config, tree_size=1, kernels="transformers (sdpa)",
-                         tokens_per_s=r["decode_tokens_per_s"], ms_per_token=1e3 / r["decode_tokens_per_s"],
-                         speedup_vs_serial=r["decode_tokens_per_s"] / ours_serial["decode_tokens_per_s"],
-                         tau=float("nan") if provider == "hf-prompt-lookup" else 1.0,
-                         energy_j=r["energy_j"], tokens_per_j=r["tokens_per_j"],
-                         identical_to_serial=same == len(r["tokens"]),
-                         note=f"{provider} vs our serial engine (batch 1): {same}/{len(r['tokens'])} sequences "
-                              "token-identical; speedup_vs_serial = its tok/s / ours"))
-    return rows

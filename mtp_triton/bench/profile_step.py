@@ -242,7 +242,7 @@ def main(argv=None):
     n = a.max_new_tokens or (12 if quick else 64)
     tree = drafting_tree(t, d)
     kw = dict(kernels=a.kernels, eos_token_id=t.eos_token_id)
-    truth = serial_truth(t.model, t.prompts, n, d.num_heads, **kw)
+    truth = serial_truth(t.model, t.prompts, n, d.num_heads, eos=t.eos_token_id, kernels=a.kernels)
     env = env_info(t.model.device)
     base = dict(env, run_id=env["timestamp"], **t.row(), max_new_tokens=n, drafter=d.label)
     V = t.model.config.vocab_size

@@ -21,13 +21,13 @@ Writes <out>/tables.csv (rows appended, each with env_info() and a run_id), <out
                quality.
    A chain deeper than the heads is skipped, with a note printed and kept in its row.
 2. The analytic model: E[tokens/step] = Tree.expected_accept_len(acc) + 1 (the bonus token), divided by the
-   measured verify-step cost ratio c(T) = time(T-node verify) / time(1-node verify):
+   measured verify-step cost ratio c(T) = time(T-node verify) / time(1-node verify) (`tuning.step_cost`):
         predicted speedup = (E[accepted drafts] + 1) / c(T)
    next to the measured speedup, and τ_measured / c(T) (what is left is drafting, accept, append and Python).
 3. A per-phase profile (`profile_step`): draft / verify attention / other verify / accept / append / Python;
    on a GPU also a torch.profiler kernel table.
 4. Hugging Face generate(do_sample=False) on the same weights as an outside serial baseline, plain and with
-   prompt-lookup decoding (`hf_baseline.hf_rows`).
+   prompt-lookup decoding (`e2e.PEERS`), interleaved per prompt with the sweep.
 """
 import argparse
 import contextlib
@@ -37,16 +37,16 @@ import sys
 
 import torch
 
-from ..generate import prefill
-from ..ops import KINDS, get_ops
+from ..ops import KINDS
 from ..tree import Tree
+from ..tuning import step_cost
 from . import e2e
 from ..cli import error, run
 from ..bundle import EMBEDDED
+from .ab import SERIAL, Config
 from .common import (KeptRows, append_rows, ensure_writable_dir, env_info, int_at_least, output_lock, read_rows,
-                    resume_rows, time_fn, write_text)
+                    resume_rows, write_text)
 from .eval_harness import fingerprint
-from .hf_baseline import hf_rows
 from .roofline import roofline_fields
 from .profile_step import kernel_rows, phase_rows
 from .tables_render import (NPU_CONFIGS, PUBLISHED, _table, load_published, markdown, npu_sweep,  # noqa: F401
@@ -81,26 +81,6 @@ def acc_from_depth_rates(rates):
     return torch.tensor(acc, dtype=torch.float64)
 
 
-def verify_step_seconds(model, tree, cache_len, kernels="auto", seed=0):
-    """Seconds for one verify forward (tree_attention over a cache of cache_len tokens + LM head) of `tree`."""
-    ops = get_ops(kernels, model.device)
-    dev = model.device
-    g = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, model.config.vocab_size, (1, cache_len), generator=g).tolist()
-    cache = model.new_cache([cache_len + tree.size])
-    prefill(model, prompt, cache, ops)
-    t = tree.to(dev)
-    tokens = torch.randint(0, model.config.vocab_size, (1, t.size), generator=g).to(dev)     # [1, T]
-    positions = cache.cache_lens.long()[:, None] + t.depth[None, :]                          # [1, T]
-    rows = torch.zeros(1, dtype=torch.int64, device=dev)
-
-    def step():
-        with torch.no_grad():
-            h, _, _ = model.forward_tree(tokens, positions, t.mask, cache, rows, ops)
-            return model.logits(h).argmax(-1)
-    return time_fn(step, warmup=2, rep=5, device=dev)
-
-
 # ---- one suite --------------------------------------------------------------------------------------------
 def sweep_configs(drafting, tree):
     """[(name, tree or None for serial, note)]: serial, MTP-2/4/8 chains (when the heads allow), the default tree."""
@@ -122,64 +102,59 @@ def sweep_configs(drafting, tree):
 
 def suite_rows(target, draftings, max_new_tokens, *, kernels="auto", hf=True, phases=True, run_id=None,
                log=print):
-    """Everything for one target: the sweep per drafting, the analytic model, phases, kernels, HF baseline."""
+    """Everything for one target: the sweep of every drafting and the transformers peers, all interleaved per
+    prompt (`e2e.measure`), the analytic model, phases and kernels."""
     model, dev = target.model, target.model.device
     env = env_info(dev)
     run_id = run_id or env["timestamp"]
     base = dict(env, run_id=run_id, **target.row(), batch=1, max_new_tokens=max_new_tokens)
-    kw = dict(kernels=kernels, eos_token_id=target.eos_token_id)
+    kw = dict(kernels=kernels)
     depth = max(d.num_heads for d in draftings)
-    if any(d.synthetic for d in draftings):           # the oracle proposes from the serial continuation
-        truth = e2e.serial_truth(model, target.prompts, max_new_tokens, depth, **kw)    # also the serial warm-up
-    else:
-        truth = None
-        e2e.run_generate(model, target.prompts[:1], min(16, max_new_tokens), **kw)     # serial warm-up
-    serial = e2e.run_generate(model, target.prompts, max_new_tokens, **kw)
-    log(f"[{target.suite}] serial: {serial['decode_tokens_per_s']:.1f} tok/s ({env['device']})")
-    rows, verify_cache = [], {}
-    cache_len = int(target.prompt_len) + max_new_tokens // 2
-
-    def verify_s(tree):
-        key = tree.paths
-        if key not in verify_cache:
-            verify_cache[key] = verify_step_seconds(model, tree, cache_len, kernels)
-        return verify_cache[key]
-
-    t1 = verify_s(Tree.root_only())
+    truth = (e2e.serial_truth(model, target.prompts, max_new_tokens, depth, eos=target.eos_token_id, **kw)
+             if any(d.synthetic for d in draftings) else None)                    # the oracle's proposals
+    sweeps = []
     for d in draftings:
         tree = e2e.drafting_tree(target, d)
-        sweep = {}
-        for name, t, note in sweep_configs(d, tree):
+        sweeps.append((d, tree, sweep_configs(d, tree)))
+    configs = [Config(SERIAL, dict(kw, mtp=False))] + [
+        e2e.mtp_config(f"{i}:{name}", model, d, t, truth, **kw)
+        for i, (d, _, sweep) in enumerate(sweeps) for name, t, _ in sweep if name != "serial" and t is not None]
+    rows, twin = [], None
+    if hf:
+        try:
+            twin = e2e.hf_twin(model)
+        except Exception as exc:                       # an HF version that cannot build the twin: say so, go on
+            rows.append(dict(base, table="hf", provider="hf-generate", note=f"HF baseline failed: {exc!r}"[:300]))
+    table, _ = e2e.measure(target, configs + (list(e2e.PEERS) if twin is not None else []), max_new_tokens,
+                           hf=twin)
+    log(f"[{target.suite}] serial: {table[SERIAL]['tok_s']:.1f} tok/s ({env['device']})")
+    fixed = {t.paths: t for d, _, sweep in sweeps if not d.dynamic for _, t, _ in sweep if t is not None}
+    cache_len = int(target.prompt_len) + max_new_tokens // 2
+    seconds = step_cost(model, [Tree.root_only(), *fixed.values()], context=cache_len, kernels=kernels)
+    verify_s = dict(zip(fixed, seconds[1:]))                                      # tree.paths -> seconds
+    for i, (d, tree, sweep) in enumerate(sweeps):
+        measured = {}
+        for name, t, note in sweep:
             row = dict(base, table="sweep", drafter=d.label, synthetic_drafts=d.synthetic, config=name, note=note)
-            if name == "serial":
-                r = serial
-            elif t is None:
+            if name != "serial" and t is None:
                 log(f"[{target.suite}] {d.label:28} {name:7} {note}")
                 rows.append(row)
                 continue
-            else:
-                e2e.run_generate(model, target.prompts[:1], min(16, max_new_tokens), drafting=d, truth=truth,
-                                 tree=t, **kw)                                           # warm-up
-                r = e2e.run_generate(model, target.prompts, max_new_tokens, drafting=d, truth=truth, tree=t, **kw)
-            sweep[name] = (t, r)
-            speedup = r["decode_tokens_per_s"] / serial["decode_tokens_per_s"]
+            s = table[SERIAL if name == "serial" else f"{i}:{name}"]
+            measured[name] = (t, s)
             depth = t.get("depth", d.num_heads) if isinstance(t, dict) else t.max_depth if t is not None else 0
-            rows.append(dict(row, tree_size=r["tree_size"], depth=depth,
-                             kernels=r["kernels"], tokens_per_s=r["decode_tokens_per_s"],
-                             ms_per_token=1e3 / r["decode_tokens_per_s"], speedup=speedup,
-                             speedup_pct=100 * (speedup - 1), tau=r["tokens_per_step"],
-                             accept_rate_per_depth=json.dumps([round(x, 4) for x in r["accept_rate_per_depth"]]),
-                             energy_j=r["energy_j"], tokens_per_j=r["tokens_per_j"],
-                             identical_to_serial=r["tokens"] == serial["tokens"],
-                             **roofline_fields(model, r["decode_tokens_per_s"], r["tokens_per_step"])))
-            log(f"[{target.suite}] {d.label:28} {name:7} T={r['tree_size']:<3} {r['decode_tokens_per_s']:8.1f} "
-                f"tok/s  x{speedup:.2f}  tau {r['tokens_per_step']:.2f}")
+            rows.append(e2e.summary_row(row, s, depth=depth, speedup=s["vs_serial"],
+                                        speedup_pct=100 * (s["vs_serial"] - 1),
+                                        **roofline_fields(model, s["tok_s"], s["tau"])))
+            log(f"[{target.suite}] {d.label:28} {name:7} T={s['tree_size']:<3} {s['tok_s']:8.1f} "
+                f"tok/s  x{s['vs_serial']:.2f}  tau {s['tau']:.2f}")
         if not d.dynamic:                   # the analytic model prices fixed trees
-            rows += analytic_rows(d, sweep, t1, verify_s, dict(base, drafter=d.label, synthetic_drafts=d.synthetic))
+            rows += analytic_rows(d, measured, seconds[0], verify_s,
+                                  dict(base, drafter=d.label, synthetic_drafts=d.synthetic))
     d0 = draftings[0]
     if phases:
         tree = e2e.drafting_tree(target, d0)
-        V = model.config.vocab_size
+        V, kw = model.config.vocab_size, dict(kw, eos_token_id=target.eos_token_id)
         configs = [("serial", dict(kw, mtp=False)),
                    (f"tree-{tree.size}",
                     lambda i: dict(kw, **d0.kwargs(truth[i: i + 1] if truth else None, V, i, tree)))]
@@ -191,36 +166,33 @@ def suite_rows(target, draftings, max_new_tokens, *, kernels="auto", hf=True, ph
             except Exception as exc:                   # the profiler is a diagnostic: report, do not abort
                 rows.append(dict(pb, table="kernels", config=name, kernel="(torch.profiler failed)",
                                  note=repr(exc)[:300]))
-    if hf:
-        try:
-            rows += [dict(r, table="hf") for r in hf_rows(target, max_new_tokens, serial, dict(base, drafter="none"))]
-        except Exception as exc:                       # an HF version that cannot build the twin: say so, go on
-            rows.append(dict(base, table="hf", provider="hf-generate", note=f"HF baseline failed: {exc!r}"[:300]))
+    if twin is not None:
+        rows += [dict(r, table="hf") for r in e2e.peer_rows(dict(base, drafter="none"), table)]
     return rows
 
 
 def analytic_rows(drafting, sweep, t1, verify_s, base):
-    """Predicted vs measured speedup per measured MTP config (see the module docstring)."""
+    """Predicted vs measured speedup per measured MTP config (see the module docstring). sweep: {config: (tree,
+    `ab.summarise` entry)}; t1, verify_s: seconds of a 1-node verify step and {tree.paths: seconds}."""
     chains = [n for n in sweep if n.startswith("MTP-")]
     acc, source = drafting.acc, ("oracle profile (exact for the synthetic drafter)" if drafting.synthetic
                                  else "heads/accuracy.json")
     if acc is None and chains:
         longest = max(chains, key=lambda n: int(n.split("-")[1]))
-        acc = acc_from_depth_rates(sweep[longest][1]["accept_rate_per_depth"])
+        acc = acc_from_depth_rates(sweep[longest][1]["accept"])
         source = f"measured {longest} acceptance (rank 0 only: a lower bound for trees)"
-    ser_tps = sweep["serial"][1]["decode_tokens_per_s"]
+    ser_tps = sweep["serial"][1]["tok_s"]
     rows = []
-    for name, (t, r) in sweep.items():
+    for name, (t, s) in sweep.items():
         if t is None:
             continue
-        ratio = verify_s(t) / t1
+        ratio = verify_s[t.paths] / t1
         e_tok = expected_tokens_per_step(t, acc) if acc is not None else None
         rows.append(dict(base, table="analytic", config=name, tree_size=t.size, acc_source=source if acc is not None
-                         else "unknown", expected_tokens_per_step=e_tok, verify_ms_T=1e3 * verify_s(t),
+                         else "unknown", expected_tokens_per_step=e_tok, verify_ms_T=1e3 * verify_s[t.paths],
                          verify_ms_1=1e3 * t1, verify_cost_ratio=ratio,
                          predicted_speedup=e_tok / ratio if e_tok is not None else None,
-                         tau=r["tokens_per_step"], predicted_from_tau=r["tokens_per_step"] / ratio,
-                         measured_speedup=r["decode_tokens_per_s"] / ser_tps))
+                         tau=s["tau"], predicted_from_tau=s["tau"] / ratio, measured_speedup=s["tok_s"] / ser_tps))
     return rows
 
 
