@@ -12,6 +12,7 @@ import torch
 from .loading import load_model, load_tokenizer
 from .mtp_module import MTPModule, is_module_folder, load_drafter
 from .tree import PRESETS, Tree, get_tree, is_tree_name
+from .tuning import best_tree
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))                      # the repository
 EMBEDDED = os.path.join(ROOT, "data", "tiny-stdlib-llama")                               # the embedded model
@@ -140,7 +141,6 @@ def pick_tree(arg, heads, heads_dir=None, model=None, kernels="auto", log=sys.st
         return Tree.from_choices(heads.tree)
     acc, budget = read_accuracy(heads_dir, heads.num_heads) if heads_dir else (None, None)
     if arg == "auto" and model is not None and acc is not None:
-        from .tuning import best_tree
         tree, table = best_tree(model, acc, kernels=kernels)
         print("tree size for this machine (expected tokens/step / measured step-cost ratio):", file=log)
         for r in table:

@@ -24,6 +24,8 @@ from .packed import packs
 from .records import cpu_model_and_flags, device_name, write_json
 from .tree import Tree
 from .version import package_hash
+from .ops import get_ops
+from .tuning import step_cost
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)          # T measured (plus the candidate tree's own size); others interpolated
 
@@ -106,8 +108,6 @@ def _read(path):
 def step_costs(model, max_nodes, kernels="auto", batch=1, path=None):
     """The StepCosts of this machine for `model` at batch `batch`, up to `max_nodes` nodes: from the cache file when
     it holds this machine's entry up to that size, else measured now (a few seconds) and stored atomically."""
-    from .ops import get_ops
-    from .tuning import step_cost
     kind = get_ops(kernels, model.device).kind
     path = path or cache_file()
     key = machine_key(model, kind, batch)

@@ -15,7 +15,7 @@ model's own, whatever is proposed — only the speed depends on the profile.
 import torch
 import torch.nn.functional as F
 
-from .ops import cpu_twins, numerics
+from .ops import cpu_twins
 from .packed import packed_linear
 from .reference import topk_lower_id_first
 
@@ -73,7 +73,7 @@ class HeadsDrafter:
         self.lm_head, self.token_map = heads.draft_weights(model.lm_head.weight)
         cpu = cpu_twins(ops, dev)
         if draft_dtype is None:
-            draft_dtype = torch.bfloat16 if numerics(ops, dev, dt).draft_bf16 else dt
+            draft_dtype = torch.bfloat16 if ops.numerics(dev, dt).draft_bf16 else dt
         if draft_dtype != dt and not (cpu and dt == torch.float32 and draft_dtype == torch.bfloat16):
             raise ValueError(f"HeadsDrafter: draft_dtype must be the model's dtype ({dt}), or torch.bfloat16 for a "
                              f"float32 model on a CPU with the PyTorch twins; got {draft_dtype}")

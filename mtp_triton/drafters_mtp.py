@@ -33,7 +33,6 @@ import copy
 import torch
 
 from .model import PagedKVCache
-from .ops import numerics
 from .packed import packed_linear
 from .tree import Tree
 
@@ -59,7 +58,7 @@ class ModuleDrafter:
         self.depth, self.top_k, self.beam, self.nodes = d["depth"], d["top_k"], d["beam"], d["nodes"]
         self.num_heads = self.depth                      # the deepest node: the runtime policy's depth limit
         dev, dt = model.device, model.dtype
-        self.bf16 = numerics(ops, dev, dt).draft_bf16
+        self.bf16 = ops.numerics(dev, dt).draft_bf16
         self.dtype = torch.bfloat16 if self.bf16 else dt
         self.module = copy.deepcopy(module).to(dev, self.dtype).eval()   # the caller's module is left as it is
         self.engine = self.module.engine(model)

@@ -25,7 +25,6 @@ from torch import nn
 
 from . import invariant
 from .config import ROPE_TYPES, ModelConfig  # noqa: F401  (ModelConfig: public here too)
-from .ops import numerics
 from .packed import packed_layers
 
 def rope_inv_freq(cfg):
@@ -220,7 +219,7 @@ class LlamaEngine(nn.Module):
 
     def exact_mode(self, ops):
         """Does this model decode batch-invariantly with `ops` (mtp_triton/invariant.py)? `ops.numerics` decides."""
-        return numerics(ops, self.device, self.dtype).exact
+        return ops.numerics(self.device, self.dtype).exact
 
     @torch.no_grad()
     def forward_tree(self, tokens, positions, tree_mask, cache, rows, ops, check_values=True, exact=None, embeds=None):
@@ -264,7 +263,7 @@ class LlamaEngine(nn.Module):
             if exact:
                 if w not in plans:
                     plans[w] = invariant.plan(block_table, cache_lens, tree_mask, cache.block_size, w,
-                                              min_chunks=1 if run is layer else 2)     # compiled: 2 (plan())
+                                              min_chunks=getattr(ops, "min_chunks", 1))   # compiled: 2 (plan())
                 attend = plans[w]
             else:
                 attend = Paged(ops, block_table, cache_lens, tree_mask, w, check_values and l == 0)

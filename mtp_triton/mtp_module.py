@@ -36,6 +36,7 @@ from .heads import _check_token_map
 from .loading import check_finite as check_finite_tensors
 from .model import Block, LlamaEngine, ModelConfig, RMSNorm, apply_rope, rope_inv_freq, rope_tables
 from .records import write_bytes, write_json
+from .heads import load_heads
 
 MODULE_FILE, MODULE_META, FORMAT = "module.safetensors", "module.json", "mtp_triton.module/1"
 # the dynamic tree's defaults (EAGLE-2): depth, candidates per expanded node, nodes expanded per depth, nodes kept
@@ -214,7 +215,6 @@ def load_module(path, device=None, dtype=None, *, check_finite=True):
 def load_drafter(path, device=None, dtype=None):
     """The drafter saved at `path`: an MTP module folder (module.json) -> `load_module`, anything else -> MTP heads
     (`heads.load_heads`: our heads folder or a Medusa checkpoint). Either goes to generate(heads=...)."""
-    from .heads import load_heads
     if is_module_folder(path):
         return load_module(path, device, dtype)
     return load_heads(path, device, dtype)

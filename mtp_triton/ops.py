@@ -8,7 +8,10 @@ kernels (KINDS):
                 batch's sequences decode as they do alone. Opt-in: the first generation compiles for minutes on a
                 small CPU, and generations ran at 0.86-1.08x eager's speed (two recorded runs, compiled.py)
     "auto"      triton on a CUDA device, torch elsewhere
-The sets have the same signatures, so swapping them changes nothing but speed (and fp rounding).
+The sets have the same signatures, so swapping them changes nothing but speed (and fp rounding). Each set also
+carries its numerical policy, `ops.numerics(device, dtype)` (see `numerics`), so the engine and the drafters ask the
+ops they run with and never decide it themselves; the compiled set adds `layer` (the compiled decoder layer) and
+`min_chunks` (its attention plans' smallest chunk count, `invariant.plan`).
 """
 import functools
 import warnings
@@ -17,6 +20,7 @@ from types import SimpleNamespace
 import torch
 
 from . import invariant, reference
+from .compiled import compiled_layer
 from .kernels import KERNELS, interpreter_enabled, launcher
 from .records import cpu_model_and_flags
 
@@ -24,15 +28,19 @@ NAMES = tuple(KERNELS)
 KINDS = ("auto", "torch", "compiled", "triton")
 
 
+def _ops(kind, fns, **extra):
+    """One set of ops: its kind, its numerical policy, `extra` and the kernels `fns` {name: function}."""
+    return SimpleNamespace(kind=kind, numerics=functools.partial(numerics, kind), **extra, **fns)
+
+
 def torch_ops():
-    return SimpleNamespace(kind="torch", **{n: getattr(reference, n) for n in NAMES})
+    return _ops("torch", {n: getattr(reference, n) for n in NAMES})
 
 
 def compiled_ops(device="cpu"):
     if str(device).startswith("cuda"):
         raise ValueError("kernels='compiled' is the CPU path; on a CUDA device use 'triton' (with cuda_graph=True)")
-    from .compiled import compiled_layer
-    return SimpleNamespace(kind="compiled", layer=compiled_layer(), **{n: getattr(reference, n) for n in NAMES})
+    return _ops("compiled", {n: getattr(reference, n) for n in NAMES}, layer=compiled_layer(), min_chunks=2)
 
 
 def triton_ops(device="cuda"):
@@ -40,13 +48,14 @@ def triton_ops(device="cuda"):
         raise RuntimeError(f"kernels='triton' on {device}: without CUDA the Triton kernels run only in Triton's "
                            "interpreter; call mtp_triton.use_interpreter() (or set TRITON_INTERPRET=1) before "
                            "importing any kernel, or use kernels='torch'")
-    return SimpleNamespace(kind="triton", **{n: launcher(n) for n in NAMES})
+    return _ops("triton", {n: launcher(n) for n in NAMES})
 
 
 def cpu_twins(ops, device):
-    """Do `ops` run the PyTorch twins ("torch" or "compiled") on a CPU device? Where they do, the drafters multiply in
-    bf16 and `generate` sizes each step's tree by the measured step costs."""
-    return getattr(ops, "kind", None) in ("torch", "compiled") and str(device).startswith("cpu")
+    """Do `ops` (a set of ops, or its kind) run the PyTorch twins ("torch" or "compiled") on a CPU device? Where they
+    do, the drafters multiply in bf16 and `generate` sizes each step's tree by the measured step costs."""
+    kind = ops if isinstance(ops, str) else getattr(ops, "kind", None)
+    return kind in ("torch", "compiled") and str(device).startswith("cpu")
 
 
 @functools.lru_cache(maxsize=None)
@@ -55,8 +64,9 @@ def native_bf16():
     return bool({"avx512_bf16", "amx_bf16"} & cpu_model_and_flags()[1])
 
 
-def numerics(ops, device, dtype):
-    """The engine's numerical policy, decided here and nowhere else, for a model of `dtype` on `device` run by `ops`:
+def numerics(kind, device, dtype):
+    """The engine's numerical policy, decided here and nowhere else, for a model of `dtype` on `device` run by ops of
+    this kind (every set of ops carries it as `ops.numerics(device, dtype)`):
       exact       batch-invariant decoding (invariant.py: the attention and linear layers whose rows round alike in
                   every call), which makes an MTP step bit-identical to serial steps: always with the compiled kind,
                   and with the PyTorch twins for a bf16/fp16 model on a CPU (fp32/fp64 there use the plain twins,
@@ -66,9 +76,9 @@ def numerics(ops, device, dtype):
                   per draft; drafts only steer speed, verification decides every token)
     Where `exact`, the first call per (dtype, device) probes the machine's row invariance
     (`invariant.matmul_is_row_invariant`) and warns if it fails. -> SimpleNamespace(exact, draft_bf16)"""
-    twins = cpu_twins(ops, device)
+    twins = cpu_twins(kind, device)
     half = dtype in (torch.bfloat16, torch.float16)
-    exact = getattr(ops, "kind", None) == "compiled" or (twins and half and getattr(ops, "kind", None) == "torch")
+    exact = kind == "compiled" or (twins and half and kind == "torch")
     if exact:
         _probe_row_invariance(dtype, device)
     return SimpleNamespace(exact=exact, draft_bf16=twins and (dtype == torch.bfloat16 or (

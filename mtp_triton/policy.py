@@ -139,7 +139,7 @@ class RuntimePolicy:
         for b in rows:
             serial = (len(emitted[b]) < self.cfg.cold_start_tokens or self.steps < self.serial_until[b]
                       or (done is not None and done[b]))
-            out.append(0 if serial else min(self.depth[b], self.reach[b] + 1) if self.by_cost else self.depth[b])
+            out.append(0 if serial else min(self.depth[b], self.reach[b] + 1))   # reach: max_depth unless by_cost
         return out
 
     def calibration(self, rows):

@@ -26,12 +26,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..heads import init_heads
+from ..loading import packaged_file
 from ..drafters import OracleDrafter
 from ..ops import KINDS
 from ..model import LlamaEngine, ModelConfig
 from ..mtp_module import MTPModule, is_module_folder
 from ..stats import gpu_energy_j  # noqa: F401  (kept importable as e2e.gpu_energy_j)
-from ..tree import Tree, get_tree
+from ..tree import get_tree
 from ..bundle import (CHAT_PROMPTS, EMBEDDED, PROMPTS, ROOT, SMOLLM2, encode, heads_dir_for, load_bundle, load_embedded,
                       pick_prompts, pick_tree, read_accuracy, read_prompts)
 from .common import ensure_writable_dir, env_info, int_at_least, save_rows
@@ -158,7 +160,6 @@ def load_target(suite, model_path=EMBEDDED, device=None, quick=False, num_prompt
             return Target("embedded", model, _code_prompts(tok, n, plen),
                           f"{os.path.basename(os.path.normpath(model_path))} (trained heads)", heads=heads,
                           heads_dir=os.path.join(model_path, "heads"), eos_token_id=tok.eos_token_id)
-        from ..heads import init_heads
         model = random_engine(EMBEDDED_STANDIN, device, torch.float32, seed)
         try:
             from transformers import AutoTokenizer
@@ -185,7 +186,6 @@ def load_target(suite, model_path=EMBEDDED, device=None, quick=False, num_prompt
 
 def smollm2_installed():
     """True when the pip package that ships SmolLM2-135M-Instruct is installed."""
-    from ..loading import packaged_file
     try:
         packaged_file(SMOLLM2)
         return True
@@ -196,7 +196,6 @@ def smollm2_installed():
 def _smollm2_target(device, n, heads_dir=None):
     """SmolLM2-135M-Instruct with its heads on the first n held-out chat prompts, one per category (bundle.encode:
     the chat template). RuntimeError when the package or the heads are missing."""
-    from ..loading import packaged_file
     hd = heads_dir or heads_dir_for(SMOLLM2)
     try:
         packaged_file(SMOLLM2)

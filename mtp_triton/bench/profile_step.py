@@ -29,6 +29,7 @@ import torch
 from ..generate import generate
 from ..stats import PhaseTimer
 from .common import env_info, png_next_to, save_figure, save_rows
+from .e2e import add_target_args, drafting_tree, serial_truth, target_from_args
 
 PHASES = ("draft", "verify-attention", "verify-other", "accept", "append", "python-overhead")
 
@@ -229,7 +230,6 @@ def plot_phases(rows, ax=None, path=None):
 
 
 def main(argv=None):
-    from .e2e import add_target_args, drafting_tree, serial_truth, target_from_args
     ap = argparse.ArgumentParser(prog="python -m mtp_triton.bench.profile_step", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="out/profile.csv", help="CSV to append rows to (the PNG goes next to it)")
     add_target_args(ap)

@@ -31,7 +31,6 @@ Writes <out>/tables.csv (rows appended, each with env_info() and a run_id), <out
 """
 import argparse
 import contextlib
-import json
 import os
 import sys
 

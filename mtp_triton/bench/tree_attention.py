@@ -24,6 +24,8 @@ import argparse
 import torch
 import torch.nn.functional as F
 
+from .. import reference
+from ..tree import TYPICAL_ACC, Tree
 from .common import (add_output_args, copy_bandwidth, env_info, interpreter_unless_cuda, save_figure,
                      save_rows, time_fn)
 
@@ -36,7 +38,6 @@ PROVIDERS = ("triton", "sdpa", "sdpa+gather", "reference")
 
 def bench_tree(T):
     """A T-node tree: the root alone for T = 1, else the best (T - 1)-node Medusa-style tree."""
-    from ..tree import TYPICAL_ACC, Tree
     return Tree.root_only() if T == 1 else Tree.from_accuracies(TYPICAL_ACC, T - 1)
 
 
@@ -96,7 +97,6 @@ def run(layouts=None, contexts=None, tree_sizes=None, batches=None, providers=PR
     mtp_triton.use_interpreter() first; main() does).
     """
     from ..kernels.tree_attention import tree_attention
-    from .. import reference
 
     on_gpu = torch.cuda.is_available() if device is None else str(device).startswith("cuda")
     device = device or ("cuda" if on_gpu else "cpu")

@@ -11,6 +11,7 @@ import json
 import os
 
 import torch
+from mtp_triton import corpus
 
 
 def read_text(path, what="--data"):
@@ -67,7 +68,6 @@ def token_streams(tokenizer, texts=None, cache_dir=None, val_percent=5):
     """{'train': ids [N], 'val': ids [M]}: the stdlib corpus by default, else the documents `texts` (from
     `load_text_files`, which a recipe calls first so that a bad --data file fails before anything loads) split by
     index."""
-    from mtp_triton import corpus
     if not texts:
         docs = corpus.collect_stdlib(val_percent=val_percent)
         if cache_dir:

@@ -35,9 +35,12 @@ import torch.nn.functional as F
 
 from ..cli import float_in, int_at_least
 from ..heads import MTPHeads
+from ..loading import load_model, load_tokenizer, transformers_model
 from ..records import save_torch, write_json
+from ..tree import get_tree
 from .answers import read_jsonl, read_prompts, write_answers
 from . import measure, replay
+from .measure import budget_list
 from .self_prompts import write_self_prompts
 from .loop import Loop, LoopConfig, Recorder
 
@@ -126,14 +129,12 @@ def new_heads(model, num_heads, token_map, root_input=True, token_inputs=0):
 
 def run(args):
     """The `distill` subcommand: answers -> vocab -> cache -> train -> measure -> choose the tree -> save."""
-    import mtp_triton as mt
     torch.set_num_threads(args.threads)
     t0 = time.time()
-    model = mt.load_model(args.model, device="cpu", dtype=torch.bfloat16)
-    tok = mt.load_tokenizer(args.model)
+    model = load_model(args.model, device="cpu", dtype=torch.bfloat16)
+    tok = load_tokenizer(args.model)
     hf = None
     if args.answers_by == "transformers":
-        from ..loading import transformers_model
         hf = transformers_model(args.model, dtype=torch.bfloat16)
     os.makedirs(args.work, exist_ok=True)
     records = args.records or os.path.join(args.out, "records")
@@ -179,7 +180,7 @@ def run(args):
         f = os.path.join(args.work, f"heldout-{name}.jsonl")
         write_answers(model, tok, hp, f, args.eval_new_tokens, sample_share=0.0, batch=args.gen_batch)
         held[name] = read_answers(f, {r["id"] for r in hp})
-    trees = {n: mt.get_tree(n) for n in ("chain-2", "chain-3", "chain-4", "chain-8", "medusa-8", "medusa-16",
+    trees = {n: get_tree(n) for n in ("chain-2", "chain-3", "chain-4", "chain-8", "medusa-8", "medusa-16",
                                          "medusa-32")}
     trees = {n: t for n, t in trees.items() if t.max_depth <= args.num_heads}
     ev = {name: measure.evaluate_heads(model, heads, r, trees) for name, r in held.items()}
@@ -220,7 +221,6 @@ def run(args):
 
 def add_arguments(sp):
     """The `distill` options (registered in mtp_triton/train_heads.py); every number is range-checked here."""
-    from .measure import budget_list
     sp.add_argument("--model", default="smollm2-135m-instruct")
     sp.add_argument("--prompts", default=os.path.join("data", "chat", "train.jsonl"))
     sp.add_argument("--heldout", default=os.path.join("data", "chat", "heldout_templated.jsonl"))

@@ -13,9 +13,12 @@ import time
 import torch
 
 from mtp_triton.cli import int_at_least
+from mtp_triton.generate import generate
 from mtp_triton.ops import KINDS
 from mtp_triton.records import env_info, write_json
-from mtp_triton.tree import get_tree
+from mtp_triton.heads import load_heads
+from mtp_triton.loading import load_model
+from mtp_triton.tree import PRESETS, Tree, get_tree
 from mtp_triton.training.data import prompt_ids
 from mtp_triton.training.hidden import base_argmax, cache_hidden, greedy_continue, head_z
 
@@ -91,7 +94,6 @@ def distinct_ratio(seqs):
 
 def standard_trees(acc, budgets=(16, 32, 64)):
     """{name: Tree}: every preset, plus the tuned-N trees built from the accuracies acc [H][K]."""
-    from mtp_triton.tree import PRESETS, Tree
     trees = {name: Tree.from_choices(ch) for name, ch in PRESETS.items()}
     for b in budgets:
         trees[f"tuned-{b}"] = Tree.from_accuracies(acc, b)
@@ -151,11 +153,10 @@ def measure_tau(args):
     and records the distinct-token ratio of the continuations and a sample. Trees deeper than the heads are
     skipped.
     """
-    import mtp_triton
     from transformers import AutoModelForCausalLM, AutoTokenizer
     torch.set_num_threads(args.threads)
-    model = mtp_triton.load_model(args.model, device=args.device)
-    heads = mtp_triton.load_heads(args.heads, device=args.device)
+    model = load_model(args.model, device=args.device)
+    heads = load_heads(args.heads, device=args.device)
     tok = AutoTokenizer.from_pretrained(args.model)
     acc_file = os.path.join(args.heads, "accuracy.json")
     acc_info = json.load(open(acc_file)) if os.path.exists(acc_file) else None
@@ -164,7 +165,7 @@ def measure_tau(args):
     ids = [p for _, p in prompts]
     eos = tok.eos_token_id
     t0 = time.time()
-    serial = mtp_triton.generate(model, ids, args.new_tokens, mtp=False, eos_token_id=eos, kernels=args.kernels)
+    serial = generate(model, ids, args.new_tokens, mtp=False, eos_token_id=eos, kernels=args.kernels)
     out = {"model": args.model, "heads": args.heads, "prompts": args.prompts, "num_prompts": len(ids),
            "new_tokens": args.new_tokens, "eos_token_id": eos, "kernels": args.kernels,
            "kernels_used": serial.stats.kernels,
@@ -184,7 +185,7 @@ def measure_tau(args):
         if tree.max_depth > heads.num_heads:
             continue
         t1 = time.time()
-        res = mtp_triton.generate(model, ids, args.new_tokens, heads=heads, tree=tree, eos_token_id=eos,
+        res = generate(model, ids, args.new_tokens, heads=heads, tree=tree, eos_token_id=eos,
                                   kernels=args.kernels)
         st = res.stats.as_dict()
         out["trees"][name] = {"tau": st["tokens_per_step"], "nodes": tree.size, "depth": tree.max_depth,

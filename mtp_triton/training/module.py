@@ -24,7 +24,11 @@ import torch.nn.functional as F
 
 from ..cli import float_in, int_at_least
 from ..generate import causal_chains
-from ..records import save_torch, write_json
+from ..heads import load_heads
+from ..loading import load_model
+from ..mtp_module import MTPModule
+from ..ops import get_ops
+from ..records import env_info, save_torch, write_json
 from .answers import read_jsonl
 from .loop import Loop, LoopConfig, Recorder
 
@@ -32,7 +36,6 @@ from .loop import Loop, LoopConfig, Recorder
 @torch.no_grad()
 def sequence_hidden(model, seqs, batch=16):
     """Per token list: the target's final-norm hidden states at every position [S, D] (model dtype, CPU)."""
-    from ..ops import get_ops
     ops = get_ops("torch", model.device)
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
     res = [None] * len(seqs)
@@ -152,17 +155,15 @@ def accuracy(module, model, cache, idx, unroll, batch=8):
 
 def run(args):
     """The `mtp` subcommand: answers -> cache -> train -> held-back accuracy -> save."""
-    import mtp_triton as mt
-    from ..mtp_module import MTPModule
     torch.set_num_threads(args.threads)
     t0 = time.time()
-    model = mt.load_model(args.model, device="cpu", dtype=torch.bfloat16)
+    model = load_model(args.model, device="cpu", dtype=torch.bfloat16)
     os.makedirs(args.work, exist_ok=True)
     rows = [r for r in read_jsonl(args.answers) if r["mode"] == "greedy"]
     if not rows:
         raise ValueError(f"--answers {args.answers}: no greedy answers (write them with `train_heads distill` or "
                          f"mtp_triton.training.answers.write_answers)")
-    token_map = mt.load_heads(args.vocab_from).token_map if args.vocab_from else None
+    token_map = load_heads(args.vocab_from).token_map if args.vocab_from else None
     cache_file = os.path.join(args.work, f"module-cache-{len(rows)}.pt")
     if os.path.exists(cache_file):
         cache = torch.load(cache_file, weights_only=False)
@@ -182,7 +183,6 @@ def run(args):
     t1 = time.time()
     acc = accuracy(module, model, cache, val_idx, max(args.unroll, 4))
     t_measure = time.time() - t1
-    from ..records import env_info
     info = dict(env_info(), command="python -m mtp_triton " + " ".join(sys.argv[1:]), model=args.model,
                 answers=args.answers, rows=len(rows), train_rows=len(train_idx),
                 val_rows=n_val, answer_tokens=sum(len(r["answer_ids"]) for r in rows),

@@ -15,13 +15,13 @@ import torch.nn.functional as F
 
 from ..drafters import bf16_draft
 from ..generate import causal_chains
+from ..ops import get_ops
 
 
 @torch.no_grad()
 def answer_hidden(model, rows, batch=16):
     """Per row: x [n, D] (model dtype, CPU), the final-norm hidden states at the positions whose next token is answer
     token 0 .. n-1 (i.e. the last prompt token and the answer tokens but the last), and the answer ids [n]."""
-    from ..ops import get_ops
     ops = get_ops("torch", model.device)
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]["prompt_ids"]) + len(rows[i]["answer_ids"]))
     res = [None] * len(rows)

@@ -37,8 +37,11 @@ import time
 import torch
 
 from ..cli import float_in, int_at_least
-from ..records import write_json
-from . import distill, replay
+from ..heads import load_heads
+from ..loading import load_model, load_tokenizer
+from ..records import env_info, write_json
+from ..tree import Tree, get_tree
+from . import distill, measure, replay
 from .answers import read_prompts, write_answers
 from .measure import budget_list
 from .self_prompts import normalise
@@ -103,9 +106,6 @@ def refuse_protected_prompts(tune, protected):
 
 
 def run(args):
-    import mtp_triton as mt
-    from ..records import env_info
-    from . import measure
     torch.set_num_threads(args.threads)
     env = env_info()                              # stamped before anything is written
     t0 = time.time()
@@ -117,11 +117,11 @@ def run(args):
                    for name, path in {**report, **tune}.items()}
     refuse_protected_prompts({tune[n]: prompt_sets[n] for n in tune},
                              {p: read_prompts(p, "--never-tune") for p in args.never_tune.split(",") if p.strip()})
-    heads = mt.load_heads(args.heads)
+    heads = load_heads(args.heads)
     if heads.token_map is None:
         raise ValueError(f"retree: {args.heads} has no draft vocabulary (token_map); these heads come from `distill`")
-    model = mt.load_model(args.model, device="cpu", dtype=torch.bfloat16)
-    tok = mt.load_tokenizer(args.model)
+    model = load_model(args.model, device="cpu", dtype=torch.bfloat16)
+    tok = load_tokenizer(args.model)
     rows = {}
     for name, path in {**tune, **report}.items():
         prompts = prompt_sets[name]
@@ -141,10 +141,10 @@ def run(args):
     t_choose = time.time() - t1
 
     t2 = time.time()
-    trees = {n: mt.get_tree(n) for n in ("chain-2", "chain-4", "medusa-16", "medusa-32")}
+    trees = {n: get_tree(n) for n in ("chain-2", "chain-4", "medusa-16", "medusa-32")}
     trees = {n: t for n, t in trees.items() if t.max_depth <= heads.num_heads}
     if heads.tree is not None:
-        trees["previous"] = mt.Tree.from_choices([tuple(p) for p in heads.tree])
+        trees["previous"] = Tree.from_choices([tuple(p) for p in heads.tree])
     trees["chosen"] = tree
     tau = {name: tau_by_category(ranks[name], rows[name], trees) for name in dict.fromkeys(list(tune) + list(report))}
     t_report = time.time() - t2
