@@ -45,7 +45,7 @@ def configs(heads, tree, kernels, runtime=None):
             Config(PEER, peer=True)]
 
 
-def summarise_rows(rows):
+def demo_summary(rows):
     """The demo's summary of its rows (demo.csv rows, strings or typed, one per prompt and configuration) through
     `bench.ab.summarise` -> dict(prompts, serial_tok_s, mtp_tok_s, speedup, tau, identical, accept_rate_per_depth,
     verified_nodes_per_step, and where the rows hold transformers runs: hf_tok_s, speedup_vs_hf, serial_vs_hf,
@@ -126,8 +126,8 @@ def demo(argv=None):
               f"{'' if peer['identical_to_serial'] else ' (other tokens)'}, serial "
               f"{ser['decode_tokens_per_s']:.1f}, MTP {mtp['decode_tokens_per_s']:.1f}")
     cats = list(dict.fromkeys(r["category"] for r in out_rows))
-    table = {c: summarise_rows([r for r in out_rows if r["category"] == c]) for c in cats}
-    table["all"] = summarise_rows(out_rows)
+    table = {c: demo_summary([r for r in out_rows if r["category"] == c]) for c in cats}
+    table["all"] = demo_summary(out_rows)
     print("\n| category | prompts | transformers tok/s | serial tok/s | MTP tok/s | MTP vs serial | MTP vs "
           "transformers | tau | identical to serial | transformers identical |")
     print("|---|---|---|---|---|---|---|---|---|---|")

@@ -16,8 +16,8 @@ import sys
 from collections import defaultdict
 
 from mtp_triton.bench.ab import PEER
-from mtp_triton.demo import summarise_rows
-from mtp_triton.bench.pruning import summarise_rows as summarise_prune_rows
+from mtp_triton.demo import demo_summary
+from mtp_triton.bench.pruning import prune_summary
 from mtp_triton.records import md_table, write_text
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -60,7 +60,7 @@ def demo_block(path):
     body = []
     cats = [c for c in dict.fromkeys(r["category"] for r in rows) if c != "all"]
     for c in cats + ["all"]:
-        s = summarise_rows([r for r in rows if c in ("all", r["category"])])
+        s = demo_summary([r for r in rows if c in ("all", r["category"])])
         name = f"**{c}**" if c == "all" else c
         if peer:
             body.append((name, s["prompts"], f"{s['hf_tok_s']:.1f}", f"{s['serial_tok_s']:.1f}",
@@ -195,7 +195,7 @@ def prune_block(path):
                 f"{r0['max_new_tokens']} new tokens, the heads' tree of {r0['tree_size']} nodes; rows: `{rel}`):\n",
                 md_table(["configuration", "decode tok/s", "speedup", "τ", "verified nodes / step", "identical"],
                          [(c, f"{s['tok_s']:.1f}", f"{s['speedup']:.2f}×", f"{s['tau']:.2f}", f"{s['nodes']:.1f}",
-                           f"{s['identical']}/{s['prompts']}") for c, s in summarise_prune_rows(run).items()]), ""]
+                           f"{s['identical']}/{s['prompts']}") for c, s in prune_summary(run).items()]), ""]
     return out
 
 

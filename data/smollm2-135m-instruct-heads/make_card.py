@@ -36,12 +36,12 @@ def goals(info, retree):
     demo = os.path.join(HERE, "..", "..", "results", "cpu", "demo", "demo.csv")
     if os.path.exists(demo):
         import csv
-        from mtp_triton.demo import summarise_rows
+        from mtp_triton.demo import demo_summary
         rows = [r for r in csv.DictReader(open(demo, newline=""))            # runs with these heads (rows written
                 if (r.get("drafter") or "medusa") == "medusa"]                   # before the module: the heads)
         last = max(r["timestamp"] for r in rows)
         rows = [r for r in rows if r["timestamp"] == last]                  # the newest run
-        s = summarise_rows(rows)
+        s = demo_summary(rows)
         m = next(r for r in rows if r["config"] == "mtp")
         src = f"results/cpu/demo/demo.csv (`{m['command']}`, commit {m['commit']})"
         out.append(f"| τ ≥ 2.2, measured in the main demo ({s['prompts']} prompts) | {s['tau']:.3f} | {src} | "
@@ -178,7 +178,7 @@ def main():
     L.append("\n## Tokens per step (τ, greedy), by tree and category\n")
     L.append("Exact for greedy decoding: MTP emits the serial tokens, so replaying this engine's own serial answer "
              "with the heads' candidates at each accepted position gives the steps a real run takes "
-             "(`mtp_triton/training/distill.py: simulate_tau`; the candidates are scored with the CPU decoder's own "
+             "(`mtp_triton/training/replay.py: simulate_tau`; the candidates are scored with the CPU decoder's own "
              "bf16 drafting math, `mtp_triton/drafters.py: bf16_draft`, so only the last bits of the hidden states "
              "can differ). `chosen` is the tree training chose"
              + (f" ({info['tree_nodes']} nodes; the shipped tree is the one `retree` chose, below)" if retree else

@@ -49,7 +49,7 @@ def configs(thresholds, heads, tree, kernels):
             + [mtp(f"mtp p>={t:g}", float(t)) for t in thresholds])
 
 
-def summarise_rows(rows):
+def prune_summary(rows):
     """prune.csv rows (strings or typed, one per prompt and configuration) -> {configuration: dict(tok_s, tau, nodes,
     identical, prompts, speedup)} in the rows' order of configurations: `bench.ab.summarise` (decode tok/s = total
     decode tokens / total decode time, speedup against serial, tau, verified nodes per step, identical prompts)."""
@@ -169,7 +169,7 @@ def _run(a, argv, thresholds, prompts):
     except OSError as e:
         return error(f"could not write the rows to {csv_path!r}: {e}. The prompts that finished before are there; "
                      "make room and run the same command with --resume")
-    table = summarise_rows(mine)
+    table = prune_summary(mine)
     print("\n| configuration | decode tok/s | speedup | tau | verified nodes / step | identical |")
     print("|---|---|---|---|---|---|")
     for n, s in table.items():
