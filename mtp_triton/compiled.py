@@ -26,12 +26,12 @@ compiled code and every reduction follows absolute positions, not the node count
 Compile time and why the kind is opt-in. `warm_up` compiles the graphs of a generation before its timers start:
 about 2 minutes cold for SmolLM2-135M in bf16 on the 2-core CPU this project measures on (10-30 s a graph), and still
 ~35 s in a later process with inductor's on-disk cache (TORCHINDUCTOR_CACHE_DIR, by default a folder under the
-system's temp dir), most of it dynamo tracing the step again. What it buys there is little: one step of 1 or 8
-nodes ran 1.1-1.2x faster than eager in a scratch timing, and whole generations in the recorded library-defaults A/B
-(scripts/defaults_ab.py, README; two runs) ran 1.05x / 1.00x (serial) and 1.08x / 0.96x (MTP) eager's speed in bf16,
-and 0.86-0.90x in fp32, where the compiled kind gives up the plain twins for the exact path. A fresh clone's demo
-would spend more on compiling than it saves, so kernels="auto" stays eager on a CPU and "compiled" is asked for by
-name.
+system's temp dir), most of it dynamo tracing the step again. What it buys there is nothing yet: in the newest
+recorded library-defaults A/B (scripts/defaults_ab.py, README; commit 0d2a7de) whole generations ran at 0.81x
+(serial) and 0.73x (MTP) eager's speed in bf16, and 0.85x / 0.71x in fp32, where the compiled kind also gives up the
+plain twins for the exact path (two earlier runs of the same A/B gave 0.96-1.08x in bf16, before the eager path got
+faster); lesson 06 §4 times one step of each kind. A fresh clone's demo would spend more on compiling than it saves,
+so kernels="auto" stays eager on a CPU and "compiled" is asked for by name.
 """
 import functools
 import os

@@ -20,12 +20,12 @@ import os
 
 import torch
 
+from . import tuning
+from .ops import get_ops
 from .packed import packs
 from .records import cpu_model_and_flags, device_name, write_json
 from .tree import Tree
 from .version import package_hash
-from .ops import get_ops
-from .tuning import step_cost
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)          # T measured (plus the candidate tree's own size); others interpolated
 
@@ -118,7 +118,7 @@ def step_costs(model, max_nodes, kernels="auto", batch=1, path=None):
     except (KeyError, TypeError, ValueError, IndexError):
         pass                  # a malformed entry: measured again below
     sizes = sorted({n for n in SIZES if n < max_nodes} | {max_nodes})
-    seconds = step_cost(model, [Tree.chain(n - 1) for n in sizes], batch=batch, kernels=kernels)
+    seconds = tuning.step_cost(model, [Tree.chain(n - 1) for n in sizes], batch=batch, kernels=kernels)
     costs = StepCosts(sizes, seconds, f"measured now, cached in {path}")
     table = _read(path)
     table[key] = costs.as_dict()

@@ -6,7 +6,7 @@ kernels (KINDS):
     "compiled"  the twins, with the decoder layer compiled by torch.compile on a CPU (mtp_triton/compiled.py); it
                 runs the batch-invariant numerics in every dtype, so MTP steps are bit-identical to serial ones, and a
                 batch's sequences decode as they do alone. Opt-in: the first generation compiles for minutes on a
-                small CPU, and generations ran at 0.86-1.08x eager's speed (two recorded runs, compiled.py)
+                small CPU, and recorded generations ran at 0.71-1.08x eager's speed (compiled.py)
     "auto"      triton on a CUDA device, torch elsewhere
 The sets have the same signatures, so swapping them changes nothing but speed (and fp rounding). Each set also
 carries its numerical policy, `ops.numerics(device, dtype)` (see `numerics`), so the engine and the drafters ask the
