@@ -11,7 +11,9 @@ import time
 
 import torch
 
+from .drafters import HeadsDrafter
 from .ops import get_ops
+from .step import draft
 from .tree import Tree
 
 
@@ -40,9 +42,27 @@ def step_cost(model, trees, batch=1, context=256, kernels="auto", reps=5):
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
 
-        run()                                                   # warm-up (kernel compiles)
         runs.append(run)
-    times = [[] for _ in trees]
+    return interleaved_medians(runs, reps)
+
+
+@torch.no_grad()
+def drafting_costs(model, heads, trees, reps=7):
+    """Median seconds of drafting each tree at batch 1 with the heads (the heads it reaches, the draft vocabulary),
+    torch path, timed in interleaved rounds like `step_cost`: a step's cost is its verify step plus its drafting."""
+    d = HeadsDrafter(heads, model, get_ops("torch", model.device))
+    h = torch.randn(1, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(model.dtype)
+    root = torch.zeros(1, dtype=torch.int64, device=model.device)
+    return interleaved_medians([lambda t=t.to(model.device): draft(d, h, root, t) for t in trees], reps)
+
+
+def interleaved_medians(runs, reps):
+    """Median seconds of each function of `runs` after one warm-up call (kernel compiles), timed in interleaved
+    rounds: each round calls every function once, so a slow spell of a shared machine slows every one's samples
+    alike instead of one's; each median is over its `reps` rounds."""
+    for run in runs:
+        run()
+    times = [[] for _ in runs]
     for _ in range(reps):
         for run, ts in zip(runs, times):
             t0 = time.perf_counter()

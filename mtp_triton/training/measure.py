@@ -12,16 +12,9 @@ repeats; every number recorded with what it was measured on.)
 """
 import argparse
 import collections
-import statistics
-import time
 
-import torch
-
-from ..drafters import HeadsDrafter
-from ..ops import get_ops
-from ..step import draft
 from ..tree import Tree
-from ..tuning import step_cost
+from ..tuning import drafting_costs, step_cost
 from . import replay
 
 
@@ -70,24 +63,6 @@ def tree_from_ranks(ranks, budget, K=8):
             counts[path] += 1
     best = sorted(counts, key=lambda p: (-counts[p], len(p), p))[:budget]
     return Tree.from_choices(best)
-
-
-def drafting_costs(model, heads, trees, reps=7):
-    """Median seconds of drafting each tree at batch 1 (the heads it reaches, the draft vocabulary), torch path,
-    timed in interleaved rounds like `tuning.step_cost`."""
-    d = HeadsDrafter(heads, model, get_ops("torch", model.device))
-    h = torch.randn(1, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(model.dtype)
-    root = torch.zeros(1, dtype=torch.int64, device=model.device)
-    trees = [t.to(model.device) for t in trees]
-    for tree in trees:
-        draft(d, h, root, tree)                                  # warm-up
-    times = [[] for _ in trees]
-    for _ in range(reps):
-        for tree, ts in zip(trees, times):
-            t0 = time.perf_counter()
-            draft(d, h, root, tree)
-            ts.append(time.perf_counter() - t0)
-    return [statistics.median(ts) for ts in times]
 
 
 def choose_tree(model, heads, rows, budgets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32), reps=7, context=300,
