@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import mtp_triton as mt
-from mtp_triton.bench import e2e, profile_step, tables
+from mtp_triton.bench import ab, e2e, profile_step, tables
 from mtp_triton.bench.ab import SERIAL, Config, run_prompts
 from mtp_triton.tree import Tree
 from mtp_triton.tuning import step_cost
@@ -118,6 +118,18 @@ def test_analytic_model_matches_the_oracle_exactly(tiny, p, tau):
     assert table["mtp"]["identical"] == len(prompts)
     assert table["mtp"]["tau"] == pytest.approx(tau)
     assert tables.expected_tokens_per_step(chain, d.acc) == pytest.approx(tau)
+
+
+def test_ab_rows_keep_the_callers_fields(tiny):
+    """A run's base fields (the demo's and prune's `tree_size`: the drafter's tree) are not overwritten by the
+    measured ones; the candidate tree a configuration verified is `tree_nodes` (1 for serial)."""
+    model, prompts = tiny
+    heads = mt.init_heads(model, 2, seed=1)
+    rows, _ = ab.run_prompt(model, prompts[0], 6, [Config(SERIAL, dict(mtp=False)),
+                                                   Config("mtp", dict(heads=heads, tree="chain-2"))],
+                            base=dict(tree_size=25))
+    assert [r["tree_size"] for r in rows] == [25, 25] and [r["tree_nodes"] for r in rows] == [1, 3]
+    assert ab.summarise(rows)["mtp"]["tree_size"] == 3
 
 
 def test_verify_step_timer_runs(tiny):

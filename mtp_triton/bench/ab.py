@@ -14,8 +14,9 @@ prompt-lookup decoding, the zero-training alternative; `compiled=True`: static c
 of a noisy machine hits all of them alike, and returns one row per configuration: the sequences, the tokens' count,
 the sequence-steps (steps × live sequences; the steps at batch 1), the decode seconds (the total minus the time to
 the first token: prefill excluded for every configuration alike), acceptance per depth, the nodes verified per step,
-the drafting and verify seconds, the kernels, the tree size, the peak memory, the energy (GPU), the cost model, the
-roofline fields (`roofline.roofline_fields`), and `identical_to_serial`: whether its tokens equal its reference
+the drafting and verify seconds, the kernels, the candidate tree's nodes (`tree_nodes`, 1 for serial; the demo's and
+prune's base fields name their drafter's `tree_size`), the peak memory, the energy (GPU), the cost model, the roofline
+fields (`roofline.roofline_fields`), and `identical_to_serial`: whether its tokens equal its reference
 configuration's (`Config.reference`, default "serial"). `run_prompts` does that over a list of prompts in groups of
 `batch`. The demo, `prune`, `e2e`, `tables`, `scripts/defaults_ab.py` and `scripts/drafters_ab.py` are each a list
 of configurations, a loop over their prompts and a report of `summarise`.
@@ -27,8 +28,8 @@ Summary per configuration, over its rows (prompts, or groups of prompts):
     accept[d] = sum(acceptance at depth d * steps) / sum(steps)
     vs_serial, vs_peer = tok_s / the reference's and / the peer's tok_s; worst = min over prompts of the per-prompt
     ratio to the reference; draft_share = sum(draft seconds) / sum(decode seconds); ttft_s = mean time to the
-    first token; peak_memory_bytes = max; energy_j = sum (None unless every row has it), tokens_per_j = sum(new
-    tokens) / energy_j.
+    first token; tree_size = the first row's tree_nodes; peak_memory_bytes = max; energy_j = sum (None unless every
+    row has it), tokens_per_j = sum(new tokens) / energy_j.
 """
 import dataclasses
 import json
@@ -65,7 +66,7 @@ def _peer_row(hf, batch, max_new, eos, cfg):
                              tokens_per_step=nan if lookup else 1.0, accept_rate_per_depth="[]",
                              verified_nodes_per_step=nan if lookup else 1, decode_s=one["decode_s"],
                              ttft_s=one["ttft_s"], decode_tokens_per_s=h["decode_tokens_per_s"], draft_s=0.0,
-                             verify_s=nan, kernels=h["kernels"], tree_size=1, peak_memory_bytes=None,
+                             verify_s=nan, kernels=h["kernels"], tree_nodes=1, peak_memory_bytes=None,
                              energy_j=h["energy_j"], cost_model=None)
 
 
@@ -79,7 +80,7 @@ def _our_row(model, batch, max_new, eos, cfg):
                             accept_rate_per_depth=json.dumps([round(x, 4) for x in s.accept_rate_per_depth]),
                             verified_nodes_per_step=s.verified_nodes_per_step, decode_s=s.total_s - s.ttft_s,
                             ttft_s=s.ttft_s, decode_tokens_per_s=s.decode_tokens_per_s, draft_s=s.time_draft_s,
-                            verify_s=s.time_verify_s, kernels=s.kernels, tree_size=s.tree_size,
+                            verify_s=s.time_verify_s, kernels=s.kernels, tree_nodes=s.tree_size,
                             peak_memory_bytes=s.peak_memory_bytes, energy_j=s.energy_j, cost_model=s.cost_model)
 
 
@@ -181,5 +182,5 @@ def summarise(rows, reference=SERIAL, peer=PEER):
             peak_memory_bytes=max((num(r, "peak_memory_bytes") for r in sel if r.get("peak_memory_bytes") not in
                                    (None, "")), default=None),
             energy_j=energy, tokens_per_j=sum(num(r, "new_tokens") for r in sel) / energy if energy else None,
-            tree_size=sel[0].get("tree_size"), kernels=sel[0].get("kernels"))
+            tree_size=sel[0].get("tree_nodes"), kernels=sel[0].get("kernels"))
     return table
