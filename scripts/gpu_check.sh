@@ -71,7 +71,7 @@ log "mode: $([[ $DRY == 1 ]] && echo 'DRY RUN (CPU, tiny sizes)' || echo GPU); O
 # own rows come first). The dry run compiles with one job, on a CPU that CI shares with another test worker:
 # about 55 s alone, more under load.
 aot() {
-  stage aot "$([[ $DRY == 1 ]] && echo 200 || echo 100)" "$PY" -m mtp_triton aot --quick \
+  stage aot "$([[ $DRY == 1 ]] && echo 200 || echo 90)" "$PY" -m mtp_triton aot --quick \
     --jobs "$([[ $DRY == 1 ]] && echo 1 || echo 8)" --out "$WORK/kernels/aot"
 }
 if [[ $DRY == 1 ]]; then aot; fi
@@ -93,7 +93,7 @@ if [[ $DRY == 1 ]]; then
   stage tests-collect 60 "$PY" -m pytest -q -p no:cacheprovider --collect-only "${KERNEL_TESTS[@]}"
 else
   XDIST=(); if "$PY" -c "import xdist" 2>/dev/null; then XDIST=(-n 8); fi   # Triton compiles on 8 cores
-  stage tests-kernels 100 "$PY" -m pytest -q -p no:cacheprovider --maxfail=10 "${XDIST[@]}" \
+  stage tests-kernels 100 "$PY" -m pytest -q -p no:cacheprovider --maxfail=30 "${XDIST[@]}" \
     --junitxml="$WORK/kernels/junit-kernels.xml" "${KERNEL_TESTS[@]}"
   stage tests-gpu 60 "$PY" -m pytest -q -p no:cacheprovider -m gpu --junitxml="$WORK/kernels/junit-gpu.xml" \
     "${IGNORE[@]}" --ignore=tests/test_notebooks.py tests
@@ -105,7 +105,11 @@ if [[ $DRY == 1 ]]; then
 else
   stage e2e-llama7b 75 "$PY" -m mtp_triton.bench.e2e --shape llama7b --batches 1,4 --max-new-tokens 64 \
     --out "$OUT/e2e.csv"
-  stage e2e-embedded 25 "$PY" -m mtp_triton.bench.e2e --shape embedded --batches 1,4 --max-new-tokens 64 \
+  # fp32 at the 7B shape: greedy MTP token-identical to serial and to transformers (bf16 on a GPU has no
+  # batch-invariant mode, so there a tree step can flip a near-tie)
+  stage e2e-llama7b-fp32 75 "$PY" -m mtp_triton.bench.e2e --shape llama7b --dtype float32 --batches 1 \
+    --max-new-tokens 64 --out "$OUT/e2e.csv"
+  stage e2e-embedded 40 "$PY" -m mtp_triton.bench.e2e --shape embedded --batches 1,4 --max-new-tokens 64 \
     --out "$OUT/e2e.csv"
 fi
 
@@ -137,7 +141,11 @@ else
       stage bench-drafting-compile 30 "$PY" -m mtp_triton.bench.drafting --out "$WORK/kernels/drafting.csv" \
         --providers torch-compile
     else
-      stage "bench-$name" 25 "$PY" -m "mtp_triton.bench.$name" "${args[@]}"
+      case $name in      # grids cut to fit the stage (each script's full default grid takes minutes)
+        tree_attention) args+=(--contexts 1024 8192 --tree-sizes 1 16 64 --batches 1 16) ;;
+        kv_append) args+=(--models llama-7b --batches 1 16 --accept-lens 0 4) ;;
+      esac
+      stage "bench-$name" 45 "$PY" -m "mtp_triton.bench.$name" "${args[@]}"
     fi
   done
 fi
@@ -145,7 +153,7 @@ fi
 if [[ $DRY == 1 ]]; then
   stage tables 60 "$PY" -m mtp_triton tables --quick --shape llama7b --out "$OUT/tables"
 else
-  stage tables 120 "$PY" -m mtp_triton tables --resume --out "$OUT/tables"
+  stage tables 170 "$PY" -m mtp_triton tables --resume --out "$OUT/tables"
 fi
 
 if [[ $DRY == 0 ]]; then aot; fi

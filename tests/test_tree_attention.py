@@ -440,14 +440,20 @@ def test_table_entries_in_use_must_be_unshared_blocks(fn):
     assert torch.equal(fn(**loose), fn(**c))
 
 
+def on_cpu(case):
+    """A make_case dict with every tensor copied to the CPU."""
+    return {k: v.cpu() if torch.is_tensor(v) else v for k, v in case.items()}
+
+
 def test_unchecked_bad_entries_are_skipped_by_triton_and_raise_in_the_twin():
     """check_values=False, sequence 0's third block is -1 (and sequence 1's cache runs past the table): the
     twin raises IndexError (it used to clamp -1 to block 0, silently); Triton leaves those positions out,
-    reading nothing outside the cache (a slice of a NaN-guarded buffer)."""
+    reading nothing outside the cache (a slice of a NaN-guarded buffer). The twin's part runs on CPU copies: on a
+    GPU its out-of-range gather is a device-side assert, which leaves the process's CUDA context unusable."""
     c = make_case([40, 9], Tree.chain(2), 4, 2, 16, 16)                  # 3 and 1 blocks in use
     c["block_table"][0, 2] = -1                                          # positions 32..39 have no block
     with pytest.raises(IndexError):
-        reference.tree_attention(**c, check_values=False)
+        reference.tree_attention(**on_cpu(c), check_values=False)
     NB = c["k_cache"].shape[0]
     guarded = {n: poison((NB + 2,) + tuple(c[n].shape[1:]), c[n].dtype) for n in ("k_cache", "v_cache")}
     for n in guarded:
@@ -460,7 +466,7 @@ def test_unchecked_bad_entries_are_skipped_by_triton_and_raise_in_the_twin():
     c = make_case([16, 40], Tree.chain(2), 4, 2, 16, 16)
     c["block_table"] = c["block_table"][:, :2].contiguous()
     with pytest.raises(IndexError):
-        reference.tree_attention(**c, check_values=False)
+        reference.tree_attention(**on_cpu(c), check_values=False)
     out = tree_attention(**c, check_values=False)
     cut = dict(c, cache_lens=torch.tensor([16, 32], dtype=torch.int32, device=DEVICE))
     assert_close(out, reference.tree_attention(**cut, check_values=False), 2e-5, 2e-5, "past the table's width")

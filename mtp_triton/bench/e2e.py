@@ -147,10 +147,11 @@ def _random_prompts(vocab, n, prompt_len, seed=0):
 
 
 def load_target(suite, model_path=EMBEDDED, device=None, quick=False, num_prompts=None, prompt_len=None,
-                seed=0, heads_dir=None):
+                seed=0, heads_dir=None, dtype=None):
     """Build the model to measure. Raises RuntimeError (with the reason) when a suite cannot run here.
 
-    model_path: the embedded suite's checkpoint; heads_dir: the smollm2 suite's heads (default: the shipped ones)."""
+    model_path: the embedded suite's checkpoint; heads_dir: the smollm2 suite's heads (default: the shipped ones);
+    dtype: the llama7b suite's weights (default bf16 on a GPU, fp32 on a CPU; the other suites keep their own)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     gpu = device.type == "cuda"
     if suite == "embedded":
@@ -175,7 +176,7 @@ def load_target(suite, model_path=EMBEDDED, device=None, quick=False, num_prompt
             raise RuntimeError("llama7b: a 7B model in bf16 needs a GPU (13.5 GB of weights); skipped on CPU "
                                "(use --quick to exercise the path at a tiny shape)")
         shape = LLAMA7B_TINY if quick and not gpu else LLAMA7B
-        dtype = torch.bfloat16 if gpu else torch.float32
+        dtype = dtype or (torch.bfloat16 if gpu else torch.float32)
         n, plen = num_prompts or (1 if quick else 2), prompt_len or (16 if quick else 128)
         model = random_engine(shape, device, dtype, seed)
         name = "Llama-7B shape, random weights" if shape is LLAMA7B else "Llama-7B proportions, TINY (CPU path check)"
@@ -367,6 +368,8 @@ def add_target_args(ap):
                     "0.9, ...)")
     ap.add_argument("--max-new-tokens", type=int_at_least(1), default=None)
     ap.add_argument("--kernels", default="auto", choices=KINDS)
+    ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
+                    help="llama7b's weights (default: bfloat16 on a GPU, float32 on a CPU)")
 
 
 def target_from_args(a, cpu_note):
@@ -379,7 +382,7 @@ def target_from_args(a, cpu_note):
         print(cpu_note)
     quick = a.quick or not gpu
     try:
-        target = load_target(a.shape, a.model, a.device, quick=quick)
+        target = load_target(a.shape, a.model, a.device, quick=quick, dtype=a.dtype and getattr(torch, a.dtype))
     except RuntimeError as e:
         print(f"skipped: {e}")
         return None
