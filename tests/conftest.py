@@ -7,6 +7,7 @@
   (or writes out of bounds) fails the test.
 * MTP_TRITON_CACHE: the measured verify-step costs (mtp_triton.costs) go to a fresh folder, not ~/.cache.
 * `assert_close`: one comparison that reports max-abs and max-relative error.
+* `on_cpu`: test inputs copied to the CPU, for the twins' out-of-range checks.
 """
 import os
 import tempfile
@@ -50,6 +51,12 @@ def poison(shape, dtype, device=DEVICE):
     if dtype.is_floating_point:
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.full(shape, -(2 ** 31) + 7, dtype=dtype, device=device)
+
+
+def on_cpu(case):
+    """A dict of test inputs with every tensor copied to the CPU (a twin fed out-of-range indices raises IndexError
+    there; on a GPU the same gather is a device-side assert, which leaves the process's CUDA context unusable)."""
+    return {k: v.cpu() if torch.is_tensor(v) else v for k, v in case.items()}
 
 
 @pytest.fixture

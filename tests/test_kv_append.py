@@ -6,7 +6,7 @@ sequences' blocks, blocks nobody owns, other layers — must be exactly what it 
 """
 import pytest
 import torch
-from conftest import DEVICE, poison
+from conftest import DEVICE, on_cpu, poison
 
 from mtp_triton import reference
 from mtp_triton.kernels import kv_append as kv_mod
@@ -257,7 +257,8 @@ def test_shared_blocks_are_refused(where, impl):
 def test_unchecked_bad_entries_drop_the_token_in_triton_and_raise_in_the_twin():
     """check_values=False with -1 in use (and a column past the table's width): the twin raises IndexError
     (torch indexing would silently wrap -1 to the last block); Triton drops those tokens and writes the
-    others. The caches are slices of NaN-guarded buffers: nothing around them may change either."""
+    others. The caches are slices of NaN-guarded buffers: nothing around them may change either. The twin's
+    IndexError is checked on CPU copies (`on_cpu`)."""
     case = make_case(L=2, BS=4, Hkv=2, Dh=6, T=5, cache_lens=[1, 6], accept_len=[3, 2], spare_blocks=0)
     table = case["block_table"][:, :2].clone()                  # seq 0 owns blocks [a, -]: 4 tokens, seq 1 two
     table[0, 1] = -1
@@ -267,7 +268,7 @@ def test_unchecked_bad_entries_drop_the_token_in_triton_and_raise_in_the_twin():
     # past the width)
     for accept in ([3, 1], [0, 2]):                           # only the -1, then only past the width
         with pytest.raises(IndexError):
-            reference.kv_append(*args_of(_bad(bad, accept_len=torch.tensor(accept, device=DEVICE))),
+            reference.kv_append(*args_of(on_cpu(_bad(bad, accept_len=torch.tensor(accept, device=DEVICE)))),
                                 check_values=False)
     L, NB = bad["k_cache"].shape[:2]
     guarded = {}
@@ -339,7 +340,8 @@ def test_benchmarks_produce_stamped_rows(tmp_path):
     bench_layout.plot(rows2, tmp_path / "b.png")
     assert (tmp_path / "a.png").stat().st_size > 0 and (tmp_path / "b.png").stat().st_size > 0
     # the command lines append to a CSV and draw their plot next to it
-    bench_append.main(["--out", str(tmp_path / "a.csv"), "--batches", "1", "--accept-lens", "0"])
+    bench_append.main(["--out", str(tmp_path / "a.csv"), "--batches", "1", "--accept-lens", "0",
+                       "--models", "tiny-cpu" if DEVICE == "cpu" else "llama-7b"])              # one model: 5 rows
     bench_layout.main(["--out", str(tmp_path / "b.csv")])
     assert len(read_rows(tmp_path / "a.csv")) == len(bench_append.PROVIDERS)
     assert {r["interpreter"] for r in read_rows(tmp_path / "a.csv")} == {str(DEVICE == "cpu")}

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import DEVICE, assert_close, poison
+from conftest import DEVICE, assert_close, on_cpu, poison
 
 from mtp_triton import reference
 from mtp_triton.kernels import tree_attention as ta
@@ -440,16 +440,11 @@ def test_table_entries_in_use_must_be_unshared_blocks(fn):
     assert torch.equal(fn(**loose), fn(**c))
 
 
-def on_cpu(case):
-    """A make_case dict with every tensor copied to the CPU."""
-    return {k: v.cpu() if torch.is_tensor(v) else v for k, v in case.items()}
-
-
 def test_unchecked_bad_entries_are_skipped_by_triton_and_raise_in_the_twin():
     """check_values=False, sequence 0's third block is -1 (and sequence 1's cache runs past the table): the
     twin raises IndexError (it used to clamp -1 to block 0, silently); Triton leaves those positions out,
-    reading nothing outside the cache (a slice of a NaN-guarded buffer). The twin's part runs on CPU copies: on a
-    GPU its out-of-range gather is a device-side assert, which leaves the process's CUDA context unusable."""
+    reading nothing outside the cache (a slice of a NaN-guarded buffer). The twin's part runs on CPU copies
+    (`on_cpu`)."""
     c = make_case([40, 9], Tree.chain(2), 4, 2, 16, 16)                  # 3 and 1 blocks in use
     c["block_table"][0, 2] = -1                                          # positions 32..39 have no block
     with pytest.raises(IndexError):
