@@ -52,6 +52,12 @@ def cpu_model_and_flags():
 
 
 def git_commit():
+    """The checkout's short commit, "-dirty" if tracked files differ from it; "unknown" outside git. A copy whose git
+    metadata is not its own (a GPU machine that is sent the working tree: its .git may be an older one) is named by
+    the caller instead: MTP_TRITON_COMMIT=<commit> makes this return "<commit> (declared)"."""
+    declared = os.environ.get("MTP_TRITON_COMMIT")
+    if declared:
+        return f"{declared} (declared)"
     try:
         here = os.path.dirname(os.path.abspath(__file__))
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,

@@ -19,7 +19,10 @@
 #   kernel_bench.tar.gz      the kernel benchmarks' CSV + PNG, the pytest junit XML files and the compile audit's
 #                            aot/aot.{csv,md} (python -m mtp_triton aot --quick, with this machine's Triton)
 # Environment: PYTHON (default python, else python3), OUT (default out/gpu_check), GPU_CHECK_BUDGET_S (default
-# 420 on the GPU, 460 for the dry run), GPU_CHECK_ONLY (space-separated stage names: run only those).
+# 420 on the GPU, 460 for the dry run), GPU_CHECK_ONLY (space-separated stage names: run only those),
+# MTP_TRITON_COMMIT (the commit the machine was sent, for its rows, where its copy's .git is not that commit's: a
+# machine sent only the working tree; write it into the command, e.g. MTP_TRITON_COMMIT=$(git rev-parse --short
+# HEAD) expanded before sending).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 

@@ -95,3 +95,13 @@ def test_two_writers_lose_no_rows(tmp_path):
     got = sorted((r["who"], int(r["k"])) for r in rows if r["who"] != "start")
     assert got == sorted([("A", k) for k in range(300)] + [("B", k) for k in range(40)])
     assert [f for f in os.listdir(tmp_path) if f != "r.csv"] == []          # no lock or temporary file left
+
+
+# ---- provenance ----
+def test_git_commit_names_this_checkout_or_a_declared_commit(monkeypatch):
+    monkeypatch.delenv("MTP_TRITON_COMMIT", raising=False)
+    own = records.git_commit()
+    assert "declared" not in own                                        # this checkout's own (or "unknown")
+    monkeypatch.setenv("MTP_TRITON_COMMIT", "06fede6")                  # a copy whose .git is not its own
+    assert records.git_commit() == "06fede6 (declared)"
+    assert records.env_info()["commit"] == "06fede6 (declared)"
