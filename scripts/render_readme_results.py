@@ -13,6 +13,7 @@ import glob
 import json
 import os
 import sys
+import xml.etree.ElementTree as ET
 from collections import defaultdict
 
 from mtp_triton.bench.ab import PEER
@@ -286,7 +287,6 @@ def drafters_block(path):
 
 def _junit(path):
     """(tests, failures + errors, skipped) of a pytest junit XML file."""
-    import xml.etree.ElementTree as ET
     suite = next(ET.parse(path).getroot().iter("testsuite"))
     n = lambda k: int(suite.attrib.get(k, 0))                                  # noqa: E731
     return n("tests"), n("failures") + n("errors"), n("skipped")
@@ -338,15 +338,13 @@ def gpu_block(folder):
                + "; ".join(f"`{name}` {n} run, {bad} failed, {skip} skipped" for name, (n, bad, skip) in tests) + ".")
     ta = [r for d in runs for x in glob.glob(os.path.join(d, "kernels", "tree_attention.csv")) for r in _rows(x)]
     if ta:
+        secs = {(r["provider"], r["layout"], r["context"], r["T"], r["batch"]): float(r["seconds"]) for r in ta}
         launch = [r for r in ta if r["provider"] == "triton-launch"]
-        sdpa = {(r["layout"], r["context"], r["T"], r["batch"]): float(r["seconds"]) for r in ta
-                if r["provider"] == "sdpa"}                       # keyed as `key` below
-        checked = [float(r["seconds"]) for r in ta if r["provider"] == "triton"]
+        beats = lambda other: sum(secs[("triton-launch", *k[1:])] < t for k, t in secs.items()   # noqa: E731
+                                  if k[0] == other)
+        faster, faster_paged = beats("sdpa"), beats("sdpa+gather")
+        checked = [t for k, t in secs.items() if k[0] == "triton"]
         best = max(launch, key=lambda r: float(r["frac_of_copy"]))
-        key = lambda r: (r["layout"], r["context"], r["T"], r["batch"])          # noqa: E731
-        gather = {key(r): float(r["seconds"]) for r in ta if r["provider"] == "sdpa+gather"}
-        faster = sum(float(r["seconds"]) < sdpa[key(r)] for r in launch)
-        faster_paged = sum(float(r["seconds"]) < gather[key(r)] for r in launch)
         out.append(f"\nTree attention, one layer ({r0['device']}, bf16, {len(launch)} shapes: Llama-7B and Llama-3-8B "
                    f"heads, context {'/'.join(sorted({r['context'] for r in launch}, key=int))}, T "
                    f"{'/'.join(sorted({r['T'] for r in launch}, key=int))}, batch "
@@ -361,7 +359,8 @@ def gpu_block(folder):
         pairs = [(float(r["time_s"]), float(v["time_s"])) for r in kv if r["provider"] == "triton-launch"
                  for v in kv if v["provider"] == "torch-vectorized" and all(v[k] == r[k] for k in ("model", "batch",
                                                                                                    "accept_len"))]
-        out.append(f"KV append, all 32 layers of Llama-7B in one launch: {min(t for t, _ in pairs) * 1e6:.1f}–"
+        k0 = kv[0]
+        out.append(f"KV append, all {k0['layers']} layers of {k0['model']} in one launch: {min(t for t, _ in pairs) * 1e6:.1f}–"
                    f"{max(t for t, _ in pairs) * 1e6:.1f} µs, {min(v / t for t, v in pairs):.0f}–"
                    f"{max(v / t for t, v in pairs):.0f}× faster than one vectorised PyTorch copy over all layers.")
     return out + [""]
