@@ -15,8 +15,12 @@ batch entries, and whatever the number of rows from 2 to 32. Outside that range 
 these CPUs a 1-row matmul takes another code path, and on AMX CPUs oneDNN blocks 33 rows or more differently (seen on
 576 x 1536 and on the 576 x 49152 LM head). So in this mode every linear layer goes through `linear`, which never
 hands the matmul more than MATMUL_ROWS = 32 rows at once, nor one row alone unless a probe of that layer on the
-running machine found its 1-row call exact (packed.py); `matmul_is_row_invariant()` checks the property on the
-running machine, and `generate` warns once if it fails.
+running machine found its 1-row call exact (packed.py). On a GPU the rule is stricter: cuBLAS picks its kernel (tile
+shape, split-K) by the problem's shape, and an H200 ran a 1-row and a 25-row bf16 step through different kernels
+whose rows differ. There `linear` hands every call exactly MATMUL_ROWS rows (the last piece padded with zero rows):
+one shape, one kernel, and a kernel computes each of its rows alike. Torch's CUDA reductions also choose their launch
+by shape, so the norms go through `linear` too there (`rowwise`). `row_invariance()` checks each of these properties
+on the running machine, and `generate` warns once if one fails.
 
 (2) is what this file fixes, by making every sum follow *absolute token positions*:
   - keys are processed in chunks of C positions aligned at position 0, whatever is cached and whatever is a tree node;
@@ -45,16 +49,20 @@ MATMUL_ROWS = 32            # `linear` hands the matmul 2 .. MATMUL_ROWS rows at
 
 
 def linear(layer, x):
-    """layer(x) [..., N] for x [..., K] (layer: an nn.Linear or any row-wise function), computed in pieces of
-    2 .. MATMUL_ROWS rows, so that each row rounds as it would in any other call (a 1-row piece is computed beside a
-    copy of itself, unless the layer is `one_row_exact`: a packed linear whose probe found that its 1-row call
-    rounds as its many-row ones (packed.py); n = 33 splits as 31 + 2). While torch.compile traces, a layer that
-    `splits_rows` itself (a packed linear's custom op, packed.py) gets all rows at once, so the graph does not
-    depend on the row count."""
+    """layer(x) [..., N] for x [..., K] (layer: an nn.Linear or any row-wise function), computed in pieces so that
+    each row rounds as it would in any other call. On a CPU: pieces of 2 .. MATMUL_ROWS rows (a 1-row piece is
+    computed beside a copy of itself, unless the layer is `one_row_exact`: a packed linear whose probe found that its
+    1-row call rounds as its many-row ones (packed.py); n = 33 splits as 31 + 2). On a GPU: pieces of exactly
+    MATMUL_ROWS rows, the last padded with zero rows (one shape, so one cuBLAS kernel). While torch.compile traces, a
+    layer that `splits_rows` itself (a packed linear's custom op, packed.py) gets all rows at once, so the graph does
+    not depend on the row count."""
     if getattr(layer, "splits_rows", False) and torch.compiler.is_compiling():
         return layer(x)
     rows = x.reshape(-1, x.shape[-1])
     n = rows.shape[0]
+    if rows.is_cuda:
+        rows = torch.cat([rows, rows.new_zeros(-n % MATMUL_ROWS, rows.shape[1])])        # [ceil(n / 32) * 32, K]
+        return torch.cat([layer(piece) for piece in rows.split(MATMUL_ROWS)])[:n].reshape(*x.shape[:-1], -1)
     if 2 <= n <= MATMUL_ROWS or (n == 1 and getattr(layer, "one_row_exact", False)):
         return layer(x)
     if n == 1:
@@ -63,6 +71,13 @@ def linear(layer, x):
     if sizes[-1] == 1:
         sizes[-2:] = [MATMUL_ROWS - 1, 2]
     return torch.cat([layer(piece) for piece in rows.split(sizes)]).reshape(*x.shape[:-1], -1)
+
+
+def rowwise(fn, x):
+    """fn(x) for a row-wise function other than a matmul (the RMS norms: a reduction over each row): on a GPU through
+    `linear`, since torch's CUDA reductions choose their launch (threads per row, blocks per row) by shape; on a CPU
+    as it is (each row reduced alike at any row count, which `row_invariance` checks)."""
+    return linear(fn, x) if x.is_cuda else fn(x)
 
 
 def order_sensitive(rows, k, n, dtype, seed=0):
@@ -80,27 +95,43 @@ def order_sensitive(rows, k, n, dtype, seed=0):
     return x[:, perm].to(dtype), w[:, perm].to(dtype)
 
 
-def matmul_is_row_invariant(dtype=torch.bfloat16, device="cpu", trials=3):
-    """Does a `dtype` matmul on this machine give a row the same bits in every call `linear` makes (2 .. MATMUL_ROWS
-    rows, at any position), and do the attention's batched matmuls give a row the same bits whatever their row
-    count? (A probe, on the shapes of a small Llama: the 576 x 1536 MLP, the 49152-row LM head, one attention head.)"""
+def row_invariance(dtype=torch.bfloat16, device="cpu", trials=3):
+    """Which of the exact mode's premises hold for `dtype` on `device`? -> {premise: bool}, each on the shapes of a
+    small Llama and of Llama-2-7B:
+      linear      `linear` gives a row the same bits in every call it makes (1 .. MATMUL_ROWS + 1 rows, at any
+                  position): the 576 x 1536 MLP, the 49152-row LM head, a 4096 x 4096 projection
+      norm        `rowwise` RMS norm gives a row the same bits at 1 .. 33 rows (D = 576 and 4096)
+      attention   the attention's batched matmuls (`attention`: scores q @ k^T over Dh = 64 or 128, chunk partials
+                  p @ v over CHUNK keys) give a row the same bits whatever their row count, 1 row included
+      cumsum      the double cumsum over chunks gives a row the same bits whatever the number of rows"""
     g = torch.Generator().manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(dtype).to(device)
+    same_rows = lambda f, x, ms: all(torch.equal(f(x[..., -m:, :]), f(x)[..., -m:, :]) for m in ms)
+    ms = (1, 2, 5, 17, MATMUL_ROWS)
+    out = {}
+    lin_ok = True
     for t in range(trials):
-        k, n = (576, 1536, 64)[t % 3], (49152, 576, 65)[t % 3]
-        w = (torch.randn(n, k, generator=g) * 0.05).to(dtype).to(device)
-        x = torch.randn(MATMUL_ROWS + 1, k, generator=g).to(dtype).to(device)
-        full = linear(lambda v: torch.nn.functional.linear(v, w), x)           # 33 rows: pieces of 31 and 2
-        for m in (2, 5, 17, MATMUL_ROWS):
-            if not torch.equal(torch.nn.functional.linear(x[-m:], w), full[-m:]):
-                return False
-    for k, n in ((64, 96), (32, 64)):                   # scores (q @ k^T) and chunk partials (p @ v), [1, M, K]
-        a = torch.randn(1, 99, k, generator=g).to(dtype).to(device)
-        b = torch.randn(1, k, n, generator=g).to(dtype).to(device)
-        full = a @ b
-        for m in (3, 21, 63):
-            if not torch.equal(a[:, :m] @ b, full[:, :m]):
-                return False
-    return True
+        k, n = ((576, 1536), (576, 49152), (4096, 4096))[t % 3]
+        w = rand(n, k) * 0.05
+        lin_ok &= same_rows(lambda v: linear(lambda r: torch.nn.functional.linear(r, w), v), rand(MATMUL_ROWS + 1, k),
+                            ms)
+    out["linear"] = lin_ok
+
+    def rms(v):                                      # as model.RMSNorm, without its weight
+        v32 = v.float()
+        return (v32 * torch.rsqrt(v32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(v.dtype)
+    out["norm"] = all(same_rows(lambda v: rowwise(rms, v), rand(MATMUL_ROWS + 1, d), ms) for d in (576, 4096))
+    out["attention"] = all(same_rows(lambda a: a @ b, rand(1, 99, k), (1, 3, 21, 63))
+                           for k, n in ((64, 96), (128, 96), (CHUNK, 64), (CHUNK, 128)) for b in [rand(1, k, n)])
+    c = torch.randn(40, 7, 128, generator=g).double().to(device)                   # [rows, chunks, Dh]
+    out["cumsum"] = all(torch.equal(torch.cumsum(x[-m:], 1), torch.cumsum(x, 1)[-m:])   # o's (over chunks), l's (last)
+                        for x in (c, c[..., 0].contiguous()) for m in (1, 3, 21))
+    return out
+
+
+def matmul_is_row_invariant(dtype=torch.bfloat16, device="cpu"):
+    """Do all of `row_invariance`'s premises hold for `dtype` on `device`?"""
+    return all(row_invariance(dtype, device).values())
 
 
 @dataclass

@@ -98,7 +98,8 @@ class Block(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, D, bias=cfg.mlp_bias)
 
 
-def _linear(layer, x):
+def _plain(layer, x):
+    """layer(x): the plain path's linear layers and norms (the exact path's are `invariant.linear`, `rowwise`)."""
     return layer(x)
 
 
@@ -129,8 +130,9 @@ def layer(x, cos, sin, blk, packed, k_cache, v_cache, k_tree, v_tree, attend):
     Hkv, Dh = k_cache.shape[-2:]
     Hq = blk.q_proj.out_features // Dh
     exact = isinstance(attend, invariant.Plan)
-    lin = invariant.linear if exact else _linear
-    h = blk.input_layernorm(x)
+    lin = invariant.linear if exact else _plain
+    norm = invariant.rowwise if exact else _plain                         # a GPU's reductions: see invariant.py
+    h = norm(blk.input_layernorm, x)
     if packed:
         qkv = lin(packed[0], h)
     else:
@@ -138,7 +140,7 @@ def layer(x, cos, sin, blk, packed, k_cache, v_cache, k_tree, v_tree, attend):
     qkv = qkv.reshape(B, T, Hq + 2 * Hkv, Dh)
     qk, v = qkv[:, :, :Hq + Hkv], qkv[:, :, Hq + Hkv:]                     # [B, T, Hq + Hkv, Dh], [B, T, Hkv, Dh]
     if hasattr(blk, "q_norm"):                                             # Qwen3: per head, over Dh
-        qk = torch.cat([blk.q_norm(qk[:, :, :Hq]), blk.k_norm(qk[:, :, Hq:])], 2)
+        qk = torch.cat([norm(blk.q_norm, qk[:, :, :Hq]), norm(blk.k_norm, qk[:, :, Hq:])], 2)
     qk = apply_rope(qk, cos, sin)
     q, k = qk[:, :, :Hq], qk[:, :, Hq:]
     k_tree.copy_(k)
@@ -150,7 +152,7 @@ def layer(x, cos, sin, blk, packed, k_cache, v_cache, k_tree, v_tree, attend):
                                       k_tree, v_tree, attend.tree_mask, window=attend.window,
                                       check_values=attend.check_values)            # [B, T, Hq, Dh]
     x = x + lin(packed[1] if packed else blk.o_proj, o.reshape(B, T, Hq * Dh))
-    h = blk.post_attention_layernorm(x)
+    h = norm(blk.post_attention_layernorm, x)
     if packed:
         g, u = lin(packed[2], h).chunk(2, -1)
     else:
@@ -269,15 +271,15 @@ class LlamaEngine(nn.Module):
                 attend = Paged(ops, block_table, cache_lens, tree_mask, w, check_values and l == 0)
             x = run(x, cos, sin, blk, packed.layer(l) if packed else None, cache.k[l], cache.v[l], k_tree[l],
                     v_tree[l], attend)
-        return self.norm(x), k_tree, v_tree
+        return (invariant.rowwise if exact else _plain)(self.norm, x), k_tree, v_tree
 
-    def logits(self, hidden):
-        """hidden [..., D] -> logits [..., V]. On a CPU the rows go through `invariant.linear` (a row alone only where
-        it rounds as among others, never more than invariant.MATMUL_ROWS at once), so a serial step rounds like a tree
-        step in every dtype."""
+    def logits(self, hidden, exact=False):
+        """hidden [..., D] -> logits [..., V]. On a CPU, and with exact=True (`exact_mode`) on a GPU, the rows go
+        through `invariant.linear` (CPU: a row alone only where it rounds as among others, never more than
+        invariant.MATMUL_ROWS at once; GPU: always MATMUL_ROWS rows), so a serial step rounds like a tree step."""
         packed = packed_layers(self)
         head = packed.lm_head if packed else self.lm_head
-        return invariant.linear(head, hidden) if self.device.type == "cpu" else head(hidden)
+        return invariant.linear(head, hidden) if exact or self.device.type == "cpu" else head(hidden)
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod

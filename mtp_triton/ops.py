@@ -67,18 +67,19 @@ def native_bf16():
 def numerics(kind, device, dtype):
     """The engine's numerical policy, decided here and nowhere else, for a model of `dtype` on `device` run by ops of
     this kind (every set of ops carries it as `ops.numerics(device, dtype)`):
-      exact       batch-invariant decoding (invariant.py: the attention and linear layers whose rows round alike in
-                  every call), which makes an MTP step bit-identical to serial steps: always with the compiled kind,
-                  and with the PyTorch twins for a bf16/fp16 model on a CPU (fp32/fp64 there use the plain twins,
-                  whose greedy output matches serial decoding in practice; a GPU uses the Triton kernels)
+      exact       batch-invariant decoding (invariant.py: the attention, norms and linear layers whose rows round
+                  alike in every call), which makes an MTP step bit-identical to serial steps: always with the
+                  compiled kind, and with the PyTorch twins for a bf16/fp16 model on a CPU or a GPU (fp32/fp64 use the
+                  plain twins, whose greedy output matches serial decoding in practice; the Triton kernels are not
+                  batch-invariant: on a GPU in bf16 they trade exactness for speed)
       draft_bf16  the drafters multiply in bf16 (drafters.bf16_draft; the MTP module in bf16): with the twins on a
                   CPU, for a bf16 model, and for an fp32 one where the CPU multiplies bf16 natively (half the bytes
                   per draft; drafts only steer speed, verification decides every token)
     Where `exact`, the first call per (dtype, device) probes the machine's row invariance
-    (`invariant.matmul_is_row_invariant`) and warns if it fails. -> SimpleNamespace(exact, draft_bf16)"""
+    (`invariant.row_invariance`) and warns if a premise fails. -> SimpleNamespace(exact, draft_bf16)"""
     twins = cpu_twins(kind, device)
     half = dtype in (torch.bfloat16, torch.float16)
-    exact = kind == "compiled" or (twins and half and kind == "torch")
+    exact = kind == "compiled" or (half and kind == "torch")
     if exact:
         _probe_row_invariance(dtype, device)
     return SimpleNamespace(exact=exact, draft_bf16=twins and (dtype == torch.bfloat16 or (
@@ -91,12 +92,13 @@ _PROBED = {}
 def _probe_row_invariance(dtype, device):
     key = (dtype, str(device))
     if key not in _PROBED:
-        _PROBED[key] = invariant.matmul_is_row_invariant(dtype, device)
-        if not _PROBED[key]:
+        _PROBED[key] = invariant.row_invariance(dtype, device)
+        failed = [k for k, ok in _PROBED[key].items() if not ok]
+        if failed:
             advice = "" if dtype == torch.float32 else "; use float32 for exact output"
-            warnings.warn(f"{dtype} matmuls on this CPU are not row-invariant (invariant.matmul_is_row_invariant): "
-                          f"MTP output may differ from serial decoding at near-ties{advice}", RuntimeWarning,
-                          stacklevel=4)
+            warnings.warn(f"{dtype} on {device}: the exact mode's premises {failed} do not hold here "
+                          f"(invariant.row_invariance): MTP output may differ from serial decoding at near-ties"
+                          f"{advice}", RuntimeWarning, stacklevel=4)
 
 
 def get_ops(kernels="auto", device="cpu"):

@@ -167,7 +167,7 @@ def verify(model, cache, rows, tokens, tree, ops, check_values=True, graphs=None
     if graphs is not None:                                  # replay a captured CUDA graph of this tree size
         return graphs.run(model, cache, rows, tokens, positions, tree, ops)
     hidden, k_tree, v_tree = model.forward_tree(tokens, positions, tree.mask, cache, rows, ops, check_values)
-    return hidden, k_tree, v_tree, model.logits(hidden)
+    return hidden, k_tree, v_tree, model.logits(hidden, model.exact_mode(ops))
 
 
 def accept(logits, tokens, parents, sampler, ops, check_values=True):
@@ -284,7 +284,7 @@ class _Captured:
     def _run(self):
         h, k, v = self.model.forward_tree(self.tokens, self.positions, self.mask, self.cache, self.rows, self.ops,
                                           check_values=False)
-        return h, k, v, self.model.logits(h)
+        return h, k, v, self.model.logits(h, self.model.exact_mode(self.ops))
 
     def __call__(self, tokens, positions):
         self.tokens.copy_(tokens)

@@ -15,7 +15,8 @@
 #   gpu_check.log            everything every stage printed, with a status line per stage and a summary
 #   tables/tables.{csv,md,png}   python -m mtp_triton tables (published vs measured, analytic model, phases, HF)
 #   e2e.csv                  python -m mtp_triton.bench.e2e (serial vs MTP at batch 1 and 4, with and without the
-#                            verify step as a CUDA graph, transformers' greedy and prompt-lookup generate)
+#                            verify step as a CUDA graph, the bf16 exact path (kernels="torch"), transformers'
+#                            greedy and prompt-lookup generate)
 #   kernel_bench.tar.gz      the kernel benchmarks' CSV + PNG, the pytest junit XML files and the compile audit's
 #                            aot/aot.{csv,md} (python -m mtp_triton aot --quick, with this machine's Triton)
 # Environment: PYTHON (default python, else python3), OUT (default out/gpu_check), GPU_CHECK_BUDGET_S (default
@@ -109,8 +110,17 @@ if [[ $DRY == 1 ]]; then
 else
   stage e2e-llama7b 75 "$PY" -m mtp_triton.bench.e2e --shape llama7b --batches 1,4 --max-new-tokens 64 \
     --out "$OUT/e2e.csv"
-  # fp32 at the 7B shape: greedy MTP token-identical to serial and to transformers (bf16 on a GPU has no
-  # batch-invariant mode, so there a tree step can flip a near-tie)
+  # bf16 exact: the PyTorch twins' batch-invariant path (invariant.py), whose MTP must equal its serial; first
+  # which of its premises hold on this GPU, per dtype
+  stage invariance 30 "$PY" -c "
+import torch
+from mtp_triton.invariant import row_invariance
+for dt in (torch.bfloat16, torch.float16, torch.float32):
+    print('row_invariance', dt, 'cuda:', row_invariance(dt, 'cuda'))"
+  stage e2e-llama7b-exact 90 "$PY" -m mtp_triton.bench.e2e --shape llama7b --kernels torch --batches 1,4 \
+    --max-new-tokens 64 --no-hf --out "$OUT/e2e.csv"
+  # fp32 at the 7B shape: greedy MTP token-identical to serial and to transformers (bf16 with the Triton kernels is
+  # not batch-invariant, so there a tree step can flip a near-tie)
   stage e2e-llama7b-fp32 75 "$PY" -m mtp_triton.bench.e2e --shape llama7b --dtype float32 --batches 1 \
     --max-new-tokens 64 --out "$OUT/e2e.csv"
   stage e2e-embedded 40 "$PY" -m mtp_triton.bench.e2e --shape embedded --batches 1,4 --max-new-tokens 64 \

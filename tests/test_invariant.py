@@ -65,8 +65,9 @@ def _serial_equivalent(case, tree, b, i, window):
         blk = int(bt[b, p // BS])
         kc[blk, p % BS], vc[blk, p % BS] = k_tree[b, j], v_tree[b, j]
     return inv.tree_attention(q[b:b + 1, i:i + 1].contiguous(), kc, vc, bt[b:b + 1].contiguous(),
-                              torch.tensor([n + len(anc)], dtype=torch.int32), k_tree[b:b + 1, i:i + 1].contiguous(),
-                              v_tree[b:b + 1, i:i + 1].contiguous(), torch.ones(1, 1, dtype=torch.bool),
+                              torch.tensor([n + len(anc)], dtype=torch.int32, device=q.device),
+                              k_tree[b:b + 1, i:i + 1].contiguous(), v_tree[b:b + 1, i:i + 1].contiguous(),
+                              torch.ones(1, 1, dtype=torch.bool, device=q.device),
                               window=window)[0, 0]
 
 
@@ -108,3 +109,39 @@ def test_bf16_mtp_equals_serial_end_to_end(tree):
     prompts = [[5, 17, 33, 42, 90, 1] * 6, [7, 8, 9], list(range(10, 47))]
     serial = mt.generate(model, prompts, 40, mtp=False).tokens
     assert mt.generate(model, prompts, 40, heads=heads, tree=tree).tokens == serial
+
+
+# ---- the same guarantees on a GPU, where the exact path is the PyTorch twins' (kernels="torch") ----
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_premises_hold(dtype):
+    """Padded linear pieces, padded norms, the attention's matmuls and cumsums: each row rounds alike in every call."""
+    report = inv.row_invariance(dtype, "cuda")
+    assert all(report.values()), report
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ns", [[5], [33], [100, 7, 64]], ids=str)
+@pytest.mark.parametrize("window", [None, 8])
+def test_gpu_tree_step_is_bit_identical_to_serial_steps(ns, window):
+    tree = Tree.from_choices(PRESETS["medusa-16"])
+    case = tuple(t.cuda() for t in _case(ns, tree, Hq=32, Hkv=32, Dh=128))        # Llama-2-7B's heads (G = 1)
+    out = inv.tree_attention(*case, tree.mask.cuda(), window=window)
+    for b in range(len(ns)):
+        for i in range(tree.size):
+            assert torch.equal(out[b, i], _serial_equivalent(case, tree, b, i, window)), (b, i)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["gqa-hd16-v203-untied-L2", "gqa-hd64-v97-llama3rope-L3"])
+def test_gpu_bf16_mtp_equals_serial_end_to_end(name):
+    """kernels="torch" on a GPU in bf16 is the exact path: MTP emits the serial tokens, batch 3; and a CUDA graph,
+    which that path cannot be captured in, is refused with a clear error."""
+    model = mt.LlamaEngine.from_hf(make_hf(name), dtype=DT, device="cuda")
+    heads = mt.init_heads(model, num_heads=4, seed=2)
+    prompts = [[5, 17, 33, 42, 90, 1] * 6, [7, 8, 9], list(range(10, 47))]
+    serial = mt.generate(model, prompts, 40, mtp=False, kernels="torch").tokens
+    for tree in ("chain-4", "medusa-64"):
+        assert mt.generate(model, prompts, 40, heads=heads, tree=tree, kernels="torch").tokens == serial, tree
+    with pytest.raises(ValueError, match="cuda_graph=True needs the Triton kernels"):
+        mt.generate(model, prompts, 4, mtp=False, kernels="torch", cuda_graph=True)

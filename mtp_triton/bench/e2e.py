@@ -29,7 +29,7 @@ import torch
 from ..heads import init_heads
 from ..loading import packaged_file
 from ..drafters import OracleDrafter
-from ..ops import KINDS
+from ..ops import KINDS, get_ops
 from ..model import LlamaEngine, ModelConfig
 from ..mtp_module import MTPModule, is_module_folder
 from ..stats import gpu_energy_j  # noqa: F401  (kept importable as e2e.gpu_energy_j)
@@ -343,7 +343,8 @@ def ab_rows(target, drafting, max_new_tokens, batches=(1,), tree=None, kernels="
         truth = serial_truth(model, target.prompts, max_new_tokens, drafting.num_heads, batch,
                              target.eos_token_id, **kw) if drafting.synthetic else None
         configs = [Config(SERIAL, dict(kw, mtp=False)), mtp_config("ours-mtp", model, drafting, tree, truth, **kw)]
-        if dev.type == "cuda":       # the same runs with the verify step replayed as a CUDA graph
+        if dev.type == "cuda" and not model.exact_mode(get_ops(kernels, dev)):   # the same runs, verify step as a
+            # CUDA graph (not the exact path's: it plans each step on the host)
             configs += [Config("ours-serial-graph", dict(kw, mtp=False, cuda_graph=True)),
                         mtp_config("ours-mtp-graph", model, drafting, tree, truth, cuda_graph=True, **kw)]
         peers = list(PEERS) if twin is not None and batch == 1 else []
