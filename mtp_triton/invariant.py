@@ -1,4 +1,5 @@
-"""Batch-invariant tree attention: low-precision MTP that is bit-identical to serial decoding (PyTorch, CPU).
+"""Batch-invariant tree attention: low-precision MTP that is bit-identical to serial decoding (PyTorch: on a CPU,
+and on a GPU with kernels="torch").
 
 Why it is needed. Greedy MTP emits exactly the serial tokens only if the target's logits at every accepted node are
 the same numbers serial decoding computes there. In fp64 they are close enough never to flip an argmax; in bf16 two
@@ -45,7 +46,7 @@ from dataclasses import dataclass
 import torch
 
 CHUNK = 32
-MATMUL_ROWS = 32            # `linear` hands the matmul 2 .. MATMUL_ROWS rows at a time
+MATMUL_ROWS = 32            # `linear` hands the matmul 2 .. MATMUL_ROWS rows at a time (a GPU: exactly MATMUL_ROWS)
 
 
 def linear(layer, x):
