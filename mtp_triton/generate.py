@@ -86,8 +86,8 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
     so a sampled prompt's tokens depend on its batch-mates: run a prompt alone for samples of its own). eos_token_id: None, an int, a list of ints or an int tensor.
     kernels: "triton" | "torch" | "compiled" | "auto" (Triton on CUDA, the PyTorch twins elsewhere; "compiled": the
     twins with the decoder layer compiled by torch.compile, CPU: mtp_triton/ops.py, compiled.py). A bf16/fp16 model
-    with the twins runs the exact path (invariant.py), on a GPU too: greedy MTP then emits the serial tokens bit for
-    bit; the Triton kernels are faster but not batch-invariant, so in bf16 they may flip a near-tie (fp32: exact).
+    runs the exact path (invariant.py; the Triton kernels' batch-invariant variant on a GPU), so greedy MTP emits the
+    serial tokens bit for bit.
     runtime: a `RuntimeConfig` or a dict of its fields (cold start, dynamic depth, fallback, confidence pruning). block_size: the paged cache's block size.
     heads: MTP heads (`load_heads`) or an MTP module (`load_module`, mtp_module.py: a one-layer drafter with its own
     cache that draws a dynamic tree each step, `drafters_mtp.ModuleDrafter`; tree= must then be None).
@@ -112,9 +112,9 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
     if cuda_graph and dev.type != "cuda":
         raise ValueError("cuda_graph=True needs the model on a CUDA device")
     ops = get_ops(kernels, dev)
-    if cuda_graph and model.exact_mode(ops):
-        raise ValueError(f"cuda_graph=True needs the Triton kernels: kernels={kernels!r} with a {model.dtype} model "
-                         "runs the exact (batch-invariant) path, which plans each step on the host")
+    if cuda_graph and ops.kind != "triton":
+        raise ValueError(f"cuda_graph=True needs the Triton kernels (kernels='triton' or 'auto'), got "
+                         f"kernels={kernels!r}: the PyTorch twins' steps are planned on the host")
     if ops.kind == "compiled":
         compiled.warm_up(model, ops)            # compiles the step's graphs once per process, before any timing
     if mtp and drafter is None and heads is not None:

@@ -105,13 +105,15 @@ def _plain(layer, x):
 
 @dataclass
 class Paged:
-    """Attention through the ops' `tree_attention` over the paged cache (the plain path of `layer`)."""
+    """Attention through the ops' `tree_attention` over the paged cache (the Triton kernels' path of `layer`, and the
+    plain twins'). exact: the kernel's batch-invariant variant, and linear layers through `invariant.linear`."""
     ops: object
     block_table: torch.Tensor       # [B, max_blocks] int32
     cache_lens: torch.Tensor        # [B] int32
     tree_mask: torch.Tensor         # [T, T] or [B, T, T] bool
     window: int | None              # this layer's sliding window
     check_values: bool
+    exact: bool = False
 
 
 def layer(x, cos, sin, blk, packed, k_cache, v_cache, k_tree, v_tree, attend):
@@ -122,14 +124,15 @@ def layer(x, cos, sin, blk, packed, k_cache, v_cache, k_tree, v_tree, attend):
     cos, sin [B, T, 1, Dh]; blk: the layer's Block (norms; its nn.Linear layers when packed is None); packed: its
     (qkv, o, gate_up, down) packed linears, or None; k_cache, v_cache [NB, BS, Hkv, Dh]: this layer's cache.
     attend: an `invariant.Plan` (exact: batch-invariant attention, and linear layers through `invariant.linear`, which
-    rounds a row alike in every call) or a `Paged` (the ops' tree_attention, plain linear layers).
+    rounds a row alike in every call) or a `Paged` (the ops' tree_attention; `Paged.exact`: its batch-invariant
+    variant, and `invariant.linear` too).
         h = RMSNorm(x);  q, k, v = h Wq, h Wk, h Wv;  q, k = RoPE(q), RoPE(k);  x = x + Attn(q, K, V) Wo
         h = RMSNorm(x);  x = x + (silu(h Wg) * h Wu) Wd
     """
     B, T, _ = x.shape
     Hkv, Dh = k_cache.shape[-2:]
     Hq = blk.q_proj.out_features // Dh
-    exact = isinstance(attend, invariant.Plan)
+    exact = isinstance(attend, invariant.Plan) or attend.exact
     lin = invariant.linear if exact else _plain
     norm = invariant.rowwise if exact else _plain                         # a GPU's reductions: see invariant.py
     h = norm(blk.input_layernorm, x)
@@ -145,12 +148,12 @@ def layer(x, cos, sin, blk, packed, k_cache, v_cache, k_tree, v_tree, attend):
     q, k = qk[:, :, :Hq], qk[:, :, Hq:]
     k_tree.copy_(k)
     v_tree.copy_(v)
-    if exact:
+    if isinstance(attend, invariant.Plan):
         o = invariant.attention(q.contiguous(), k_cache, v_cache, k_tree, v_tree, attend, finite=True)
     else:
         o = attend.ops.tree_attention(q.contiguous(), k_cache, v_cache, attend.block_table, attend.cache_lens,
                                       k_tree, v_tree, attend.tree_mask, window=attend.window,
-                                      check_values=attend.check_values)            # [B, T, Hq, Dh]
+                                      check_values=attend.check_values, exact=attend.exact)   # [B, T, Hq, Dh]
     x = x + lin(packed[1] if packed else blk.o_proj, o.reshape(B, T, Hq * Dh))
     h = norm(blk.post_attention_layernorm, x)
     if packed:
@@ -260,15 +263,16 @@ class LlamaEngine(nn.Module):
         x = self.embed_tokens(tokens) if embeds is None else embeds            # [B, T, D]
         packed = packed_layers(self)                # None: the nn.Linear layers (bf16: the same bits, slower)
         plans = {}                                  # exact: one attention plan per distinct window, for all layers
+        planned = exact and ops.kind != "triton"    # the Triton kernels' exact variant needs no plan
         for l, blk in enumerate(self.layers):
             w = cfg.window(l)
-            if exact:
+            if planned:
                 if w not in plans:
                     plans[w] = invariant.plan(block_table, cache_lens, tree_mask, cache.block_size, w,
                                               min_chunks=getattr(ops, "min_chunks", 1))   # compiled: 2 (plan())
                 attend = plans[w]
             else:
-                attend = Paged(ops, block_table, cache_lens, tree_mask, w, check_values and l == 0)
+                attend = Paged(ops, block_table, cache_lens, tree_mask, w, check_values and l == 0, exact)
             x = run(x, cos, sin, blk, packed.layer(l) if packed else None, cache.k[l], cache.v[l], k_tree[l],
                     v_tree[l], attend)
         return (invariant.rowwise if exact else _plain)(self.norm, x), k_tree, v_tree

@@ -69,9 +69,9 @@ def numerics(kind, device, dtype):
     this kind (every set of ops carries it as `ops.numerics(device, dtype)`):
       exact       batch-invariant decoding (invariant.py: the attention, norms and linear layers whose rows round
                   alike in every call), which makes an MTP step bit-identical to serial steps: always with the
-                  compiled kind, and with the PyTorch twins for a bf16/fp16 model on a CPU or a GPU (fp32/fp64 use the
-                  plain twins, whose greedy output matches serial decoding in practice; the Triton kernels are not
-                  batch-invariant: on a GPU in bf16 they trade exactness for speed)
+                  compiled kind, and for a bf16/fp16 model with the PyTorch twins (invariant.attention) or the Triton
+                  kernels (tree_attention's exact=True variant), on a CPU or a GPU (fp32/fp64 use the plain path,
+                  whose greedy output matches serial decoding in practice)
       draft_bf16  the drafters multiply in bf16 (drafters.bf16_draft; the MTP module in bf16): with the twins on a
                   CPU, for a bf16 model, and for an fp32 one where the CPU multiplies bf16 natively (half the bytes
                   per draft; drafts only steer speed, verification decides every token)
@@ -79,7 +79,7 @@ def numerics(kind, device, dtype):
     (`invariant.row_invariance`) and warns if a premise fails. -> SimpleNamespace(exact, draft_bf16)"""
     twins = cpu_twins(kind, device)
     half = dtype in (torch.bfloat16, torch.float16)
-    exact = kind == "compiled" or (half and kind == "torch")
+    exact = kind == "compiled" or (half and kind in ("torch", "triton"))
     if exact:
         _probe_row_invariance(dtype, device)
     return SimpleNamespace(exact=exact, draft_bf16=twins and (dtype == torch.bfloat16 or (

@@ -12,6 +12,8 @@ import importlib
 import torch
 import torch.nn.functional as F
 
+from . import invariant
+
 
 def _checks(kernel_file):
     """The input checks of `mtp_triton/kernels/<kernel_file>.py`, shared with the twin so both reject the same inputs.
@@ -80,7 +82,7 @@ def topk_lower_id_first(x, k):
 
 
 def tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask, sm_scale=None, *,
-                   window=None, check_values=True):
+                   window=None, check_values=True, exact=False):
     """Attention of T tree nodes over a paged cache plus the tree itself.
 
     Node i of sequence b attends to the cache_lens[b] cached tokens (all visible) and to tree node j
@@ -98,7 +100,13 @@ def tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree,
     IndexError here (on CPU; a device-side assert on CUDA) where the Triton kernel leaves those positions
     out of the softmax; an entry naming another sequence's block is read as this sequence's, as by the
     kernel. check_values=True refuses both with a ValueError.
+    exact=True: the batch-invariant attention, `mtp_triton.invariant.tree_attention` (a node's output has the same
+    bits whatever else is in the tree and whether its ancestors are cached: the same function of the inputs, summed
+    in an order fixed by token positions), as the Triton kernel's exact=True.
     """
+    if exact:
+        return invariant.tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask,
+                                        sm_scale, window=window, check_values=check_values)
     checks = _checks("tree_attention")
     mask = checks.check_tree_attention_inputs(
         q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask, values=check_values, window=window)

@@ -7,6 +7,7 @@ import mtp_triton as mt
 from mtp_triton import invariant as inv
 from mtp_triton import reference as ref
 from mtp_triton.tree import PRESETS, Tree
+from conftest import DEVICE
 from hf_models import make_hf
 
 DT = torch.bfloat16
@@ -145,3 +146,21 @@ def test_gpu_bf16_mtp_equals_serial_end_to_end(name):
         assert mt.generate(model, prompts, 40, heads=heads, tree=tree, kernels="torch").tokens == serial, tree
     with pytest.raises(ValueError, match="cuda_graph=True needs the Triton kernels"):
         mt.generate(model, prompts, 4, mtp=False, kernels="torch", cuda_graph=True)
+
+
+@pytest.mark.parametrize("name,cuda_graph", [
+    ("gqa-hd16-v203-untied-L2", False),
+    pytest.param("gqa-hd64-v97-llama3rope-L3", False, marks=pytest.mark.gpu),
+    pytest.param("gqa-hd16-v203-untied-L2", True, marks=pytest.mark.gpu),
+    pytest.param("gqa-hd64-v97-llama3rope-L3", True, marks=pytest.mark.gpu)])
+def test_bf16_triton_mtp_equals_serial_end_to_end(name, cuda_graph):
+    """kernels="triton" in bf16 runs tree_attention's batch-invariant variant and `invariant.linear`: MTP emits the
+    serial tokens, batch 3, with and without the verify step as a CUDA graph (a CPU runs Triton's interpreter, on a
+    shorter run)."""
+    model = mt.LlamaEngine.from_hf(make_hf(name), dtype=DT, device=DEVICE)
+    heads = mt.init_heads(model, num_heads=4, seed=2)
+    prompts = [[5, 17, 33, 42, 90, 1] * 6, [7, 8, 9], list(range(10, 47))]
+    n, tree = (24, "medusa-16") if DEVICE == "cuda" else (10, "medusa-8")      # the interpreter: small
+    kw = dict(kernels="triton", cuda_graph=cuda_graph)
+    serial = mt.generate(model, prompts, n, mtp=False, **kw).tokens
+    assert mt.generate(model, prompts, n, heads=heads, tree=tree, **kw).tokens == serial

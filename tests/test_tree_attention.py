@@ -517,3 +517,64 @@ def test_gpu_batch_and_capacity_do_not_recompile(monkeypatch):
     new = sum(len(entry[0]) for entry in cache.values()) - before
     assert len(set(chosen)) > 2, f"the cases should need several split counts, got {sorted(set(chosen))}"
     assert new <= 2, f"{new} new variants of _tree_attention_kernel for split counts {sorted(set(chosen))}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the batch-invariant variant (exact=True)
+# ---------------------------------------------------------------------------------------------------------
+EXACT_CASES = [c[:7] + (None, None) for c in CASES] + [
+    ("W7-B4-bushy9-GQA3-Dh24-BS16-N16", [0, 5, 37, 64], BUSHY, 6, 2, 24, 16, 7, 16),
+    ("W1-B2-chain4-MHA4-Dh16-BS8", [3, 40], Tree.chain(4), 4, 4, 16, 8, 1, None),
+    ("B2-chain4-GQA5-Dh20-BS5-N16", [33, 1], Tree.chain(4), 10, 2, 20, 5, None, 16),
+]
+
+
+@pytest.mark.parametrize("cache_lens,tree,Hq,Hkv,Dh,BS,window,block_n", [c[1:] for c in EXACT_CASES],
+                         ids=[c[0] for c in EXACT_CASES])
+def test_exact_matches_reference_and_brute_force(cache_lens, tree, Hq, Hkv, Dh, BS, window, block_n, nan_alloc):
+    """The exact variant computes the same function (positions outside every window are NaN: never read)."""
+    dtype = next(c[7] for c in CASES if c[1] == cache_lens) if window is None and block_n is None else torch.float32
+    c = make_case(cache_lens, tree, Hq, Hkv, Dh, BS, dtype)
+    if window is not None:
+        c = poison_outside_window(c, window)
+    out = _tree_attention(**c, window=window, block_n=block_n, exact=True)
+    atol, rtol = TOL[dtype]
+    assert out.dtype == dtype and out.shape == c["q"].shape
+    assert_close(out, reference.tree_attention(**c, window=window), atol, rtol, "exact kernel vs reference")
+    assert_close(out, brute_force(c, window), atol, rtol, "exact kernel vs brute force")
+
+
+def test_exact_per_sequence_masks_and_sm_scale(nan_alloc):
+    chain, star = Tree.chain(4).mask, Tree.from_choices([(0,), (1,), (2,), (3,)]).mask      # both T = 5
+    c = make_case([12, 35], None, 4, 2, 16, 16, per_seq_masks=[chain, star])
+    out = tree_attention(**c, sm_scale=0.3, exact=True)
+    assert_close(out, reference.tree_attention(**c, sm_scale=0.3), 2e-5, 2e-5, "per-sequence masks")
+
+
+def _as_serial_step(c, tree, b, i, window):
+    """Node i of sequence b as a serial step computes it: its ancestors written into the cache after the cached
+    tokens, then a one-node step (the node itself as the tree)."""
+    BS = c["k_cache"].shape[1]
+    n = int(c["cache_lens"][b])
+    anc = [j for j in range(tree.size) if tree.mask[i, j] and j != i]
+    kc, vc = c["k_cache"].clone(), c["v_cache"].clone()
+    for d, j in enumerate(anc):
+        blk = int(c["block_table"][b, (n + d) // BS])
+        kc[blk, (n + d) % BS], vc[blk, (n + d) % BS] = c["k_tree"][b, j], c["v_tree"][b, j]
+    one = lambda t: t[b:b + 1, i:i + 1].contiguous()                               # noqa: E731
+    return tree_attention(one(c["q"]), kc, vc, c["block_table"][b:b + 1].contiguous(),
+                          c["cache_lens"][b:b + 1] + len(anc), one(c["k_tree"]), one(c["v_tree"]),
+                          torch.ones(1, 1, dtype=torch.bool, device=kc.device), window=window, exact=True)[0, 0]
+
+
+@pytest.mark.parametrize("window", [None, 9], ids=["no-window", "W9"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_exact_tree_step_is_bit_identical_to_serial_steps(window, dtype):
+    """What exact=True is for: every node's output has the bits of the serial step that would compute it (on a GPU
+    with Llama-2-7B's head shape, in bf16; in the interpreter the dots are fp32)."""
+    Hq, Hkv, Dh = (32, 32, 128) if DEVICE == "cuda" else (6, 2, 16)
+    c = make_case([5, 70, 33], BUSHY, Hq, Hkv, Dh, 16, dtype)
+    out = tree_attention(**c, window=window, exact=True)
+    for b in range(3):
+        for i in range(BUSHY.size):
+            assert torch.equal(out[b, i], _as_serial_step(c, BUSHY, b, i, window)), (b, i)

@@ -146,9 +146,10 @@ def matrix(quick=False):
     """The cases to audit. quick: one or two per launcher and feature, enough to compile every kernel (incl. the
     split combine, per-head LM heads, a draft vocabulary and a sliding window) for every target; full: models x
     dtypes x batch 1/8 x tree 1/16/64 x context 512/8192 x heads 4/5, plus the ResBlock switched off (the MTP module's
-    scores over a draft vocabulary), per-head LM heads (Medusa Vicuna-7B),
+    scores over a draft vocabulary), per-head LM heads (Medusa Vicuna-7B), tree attention's exact variant,
     draft vocabularies (SmolLM2 8192 / 49152, Llama-3 32768 / 128256) and Mistral-7B's 4096-token window at 8192."""
     window = (("window", MODELS["mistral-7b"]["W"]),)
+    exact = (("exact", True),)
     if quick:
         return [
             Case("fused_draft", "llama3-8b", "bf16", B=1, H=4, top_k=TOP_K),
@@ -159,6 +160,7 @@ def matrix(quick=False):
             Case("tree_attention", "llama3-8b", "bf16", B=1, T=16, ctx=8192),     # split-KV + combine
             Case("tree_attention", "smollm2-135m", "fp16", B=8, T=64, ctx=512),   # one split, GQA 3
             Case("tree_attention", "mistral-7b", "bf16", B=1, T=16, ctx=8192, kwargs=window),
+            Case("tree_attention", "llama2-7b", "bf16", B=1, T=16, ctx=8192, kwargs=exact),   # batch-invariant
             Case("tree_accept", B=1, T=16),
             Case("tree_accept_sample", "llama3-8b", "fp32", B=1, T=16),
             Case("kv_append", "llama2-7b", "bf16", B=1, T=16, ctx=8192),
@@ -177,6 +179,8 @@ def matrix(quick=False):
     for dtype, B in itertools.product(("bf16", "fp16"), (1, 8)):
         cases.append(Case("fused_draft", "vicuna-7b", dtype, B=B, H=5, top_k=TOP_K, per_head=True))
         cases += [Case("tree_attention", "mistral-7b", dtype, B=B, T=T, ctx=8192, kwargs=window) for T in (1, 16, 64)]
+        cases += [Case("tree_attention", "llama2-7b", dtype, B=B, T=T, ctx=ctx, kwargs=exact)
+                  for T, ctx in itertools.product((1, 16), (512, 8192))]
     for B, T in itertools.product((1, 8), (1, 16, 64)):
         cases.append(Case("tree_accept", B=B, T=T))
         # the engine's sampling probabilities are fp32 (logits_to_probs upcasts)

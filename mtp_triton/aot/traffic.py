@@ -62,6 +62,18 @@ def _tree_attention(a, case):
     return q.nbytes + cache + 2 * k_tree.nbytes + mask.nbytes + tables + depths + out
 
 
+def _exact_tree_attention(a, case):
+    # the batch-invariant variant: as `_tree_attention` (each sequence's visible cache counted once: at best its
+    # nodes share it through L2), with the ancestor table [B, T, T] and depths [B, T] int32 instead of the mask, and
+    # out [B, T, Hq, Dh] (no split-KV)
+    q = a["q_ptr"]
+    B, T, Hq, Dh = q.shape
+    tokens, entries = _visible_cache(a, case)
+    cache = 2 * B * tokens * a["Hkv"] * Dh * q.itemsize
+    return (q.nbytes + cache + 2 * a["k_tree_ptr"].nbytes + a["anc_ptr"].nbytes + a["depth_ptr"].nbytes
+            + B * entries * 4 + B * 4 + a["out_ptr"].nbytes)
+
+
 def _combine_splits(a, case):
     # reads n_splits fp32 partials [R, Dh] and lse [R] (the run-time count, not the MAX_SPLITS bucket); writes
     # out [R, Dh] in q's dtype
@@ -108,6 +120,7 @@ MIN_BYTES = {
     "_vocab_tile_kernel": _vocab_tile,
     "_merge_kernel": _merge,
     "_tree_attention_kernel": _tree_attention,
+    "_exact_tree_attention_kernel": _exact_tree_attention,
     "_combine_splits_kernel": _combine_splits,
     "_tree_accept_kernel": _tree_accept,
     "_tree_accept_sums_kernel": _tree_accept_sums,

@@ -343,8 +343,8 @@ def ab_rows(target, drafting, max_new_tokens, batches=(1,), tree=None, kernels="
         truth = serial_truth(model, target.prompts, max_new_tokens, drafting.num_heads, batch,
                              target.eos_token_id, **kw) if drafting.synthetic else None
         configs = [Config(SERIAL, dict(kw, mtp=False)), mtp_config("ours-mtp", model, drafting, tree, truth, **kw)]
-        if dev.type == "cuda" and not model.exact_mode(get_ops(kernels, dev)):   # the same runs, verify step as a
-            # CUDA graph (not the exact path's: it plans each step on the host)
+        if dev.type == "cuda" and get_ops(kernels, dev).kind == "triton":   # the same runs, verify step as a CUDA
+            # graph (the Triton kernels' only: the twins plan each step on the host)
             configs += [Config("ours-serial-graph", dict(kw, mtp=False, cuda_graph=True)),
                         mtp_config("ours-mtp-graph", model, drafting, tree, truth, cuda_graph=True, **kw)]
         peers = list(PEERS) if twin is not None and batch == 1 else []

@@ -36,6 +36,12 @@ partial output and log-sum-exp, and `_combine_splits_kernel` merges them:
 The split count is a run-time argument (`choose_num_splits`: whole waves of programs, partial traffic
 bounded against the KV bytes), so new batch sizes or cache capacities never recompile a kernel.
 
+Batch-invariant variant (exact=True, `_exact_tree_attention_kernel`): the kernel above sums a node's cached keys and
+its tree keys in separate passes, in tiles and splits that depend on T, so a tree step rounds differently from the
+serial steps that would emit the same tokens, and in bf16 a near-tie can flip. The variant gives every node its own
+program and walks its keys by absolute position, in tiles aligned at 0, taking each key from the cache or from the
+node's ancestor at that depth: the same tiles, in the same order, whatever is cached and whatever else is in the tree.
+
 Dtypes: fp32, fp16, bf16 (fp32 accumulation; fp16/bf16 tensor-core dots on the GPU, fp32 dots on
 fp32 inputs and under the interpreter, whose bf16 arithmetic is broken). fp64 is refused with a
 TypeError: use `mtp_triton.reference.tree_attention` (the engine's CPU path) for fp64.
@@ -335,6 +341,70 @@ def _combine_splits_kernel(part_ptr, lse_ptr, out_ptr, R, Dh, n_splits, MAX_SPLI
 # ----------------------------------------------------------------------------------------------------------
 # Launcher
 # ----------------------------------------------------------------------------------------------------------
+# The batch-invariant variant (exact=True). Nothing here depends on the tree's size or on which keys are cached: one
+# program per (node, KV head), keys in tiles of BLOCK_N positions aligned at position 0, each key loaded from the cache
+# or from the node's ancestor at that depth, no split-KV. T is not specialised, so a serial step (T = 1) runs the very
+# kernel a tree step runs.
+@triton.jit(do_not_specialize=["T", "NB", "max_blocks", "window"],
+            do_not_specialize_on_alignment=["T", "NB", "max_blocks", "window"])
+def _exact_tree_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, cache_lens_ptr, k_tree_ptr, v_tree_ptr,
+    anc_ptr,                                    # [B, T, T] int32: anc[b, i, d] = node i's ancestor at depth d
+    depth_ptr,                                  # [B, T] int32: each node's depth
+    out_ptr,
+    T, Hq, Hkv, Dh, NB, max_blocks, qk_scale, window,
+    stride_qb, stride_qt, stride_qh,            # q / out [B, T, Hq, Dh] (last stride 1)
+    stride_cn, stride_cs, stride_ch,            # k_cache / v_cache [NB, BS, Hkv, Dh]
+    stride_tb, stride_tt, stride_th,            # k_tree / v_tree [B, T, Hkv, Dh]
+    G: tl.constexpr, BS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_WINDOW: tl.constexpr,
+):
+    node = tl.program_id(0).to(tl.int64)        # b * T + i
+    kvh = tl.program_id(1).to(tl.int64)         # KV head
+    b = node // T
+    g = tl.arange(0, BLOCK_G)                                             # [G] the KV head's query heads
+    g_ok = g < G
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < Dh
+    q_off = b * stride_qb + (node % T) * stride_qt + (kvh * G + g) * stride_qh      # [G]
+    q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    q = q.to(COMPUTE_DTYPE)                                               # [G, D]
+    n_cached = tl.load(cache_lens_ptr + b)
+    pos_i = n_cached + tl.load(depth_ptr + node)                          # this node's position
+    lo = 0
+    if USE_WINDOW:                                                        # tile-aligned: the same tiles either way
+        lo = tl.maximum(pos_i - window + 1, 0) // BLOCK_N * BLOCK_N
+
+    m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for start in range(lo, pos_i + 1, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)                               # [N] absolute positions
+        col = pos // BS
+        blk = tl.load(block_table_ptr + b * max_blocks + col, mask=(pos < n_cached) & (col < max_blocks), other=-1)
+        cached = (pos < n_cached) & (blk >= 0) & (blk < NB)   # unchecked tables: a bad entry is skipped
+        in_tree = (pos >= n_cached) & (pos <= pos_i)                      # the ancestor at depth pos - n_cached
+        if USE_WINDOW:                                                    # outside the window: not even loaded
+            cached = cached & (pos_i - pos < window)
+            in_tree = in_tree & (pos_i - pos < window)
+        anc = tl.load(anc_ptr + node * T + (pos - n_cached), mask=in_tree, other=0)
+        c_off = blk.to(tl.int64) * stride_cn + (pos % BS) * stride_cs + kvh * stride_ch      # [N]
+        t_off = b * stride_tb + anc.to(tl.int64) * stride_tt + kvh * stride_th               # [N]
+        cm = cached[:, None] & d_ok[None, :]
+        tm = in_tree[:, None] & d_ok[None, :]
+        k = tl.where(cm, tl.load(k_cache_ptr + c_off[:, None] + d[None, :], mask=cm, other=0.0),
+                     tl.load(k_tree_ptr + t_off[:, None] + d[None, :], mask=tm, other=0.0)).to(COMPUTE_DTYPE)
+        v = tl.where(cm, tl.load(v_cache_ptr + c_off[:, None] + d[None, :], mask=cm, other=0.0),
+                     tl.load(v_tree_ptr + t_off[:, None] + d[None, :], mask=tm, other=0.0)).to(COMPUTE_DTYPE)
+        vis = cached | in_tree
+        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale        # [G, N]
+        s = tl.where(vis[None, :], s, float("-inf"))
+        acc, m_i, l_i = _online_softmax_update(acc, m_i, l_i, s, v, INPUT_PRECISION)
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]                        # the node itself is always visible
+    tl.store(out_ptr + q_off[:, None] + d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=g_ok[:, None] & d_ok[None, :])
+
+
 _COMPUTE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
@@ -429,7 +499,7 @@ def _tiles(rows, interp, major=None, window=False):
 
 
 def _tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask, sm_scale=None,
-                    num_splits=None, block_m=None, block_n=None, check_values=True, window=None):
+                    num_splits=None, block_m=None, block_n=None, check_values=True, window=None, exact=False):
     """`tree_attention` with the tuning knobs exposed (tests force split-KV and small tiles through these)."""
     check_tree_attention_inputs(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask,
                                 values=check_values, window=window)
@@ -446,6 +516,10 @@ def _tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree
     G = Hq // Hkv
     scale = Dh ** -0.5 if sm_scale is None else float(sm_scale)
     interp = _interpreting()
+
+    if exact:
+        return _exact_tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask, scale,
+                                     window, block_n or 32, interp)
 
     # tiles: the G * T rows of one KV head in query tiles of BLOCK_M
     major = None if interp else torch.cuda.get_device_capability(q.device)[0]
@@ -504,8 +578,38 @@ def _tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree
     return out
 
 
+def _exact_tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask, scale, window,
+                          block_n, interp):
+    """The exact=True launch: each node's depth and its ancestor at every depth, computed on the device (no host
+    sync, CUDA-graph safe), then one program per (node, KV head)."""
+    B, T, Hq, Dh = q.shape
+    _, BS, Hkv, _ = k_cache.shape
+    mask = tree_mask.expand(B, T, T)
+    depth = (mask.sum(-1, dtype=torch.int32) - 1).contiguous()                   # [B, T]
+    # the k-th visible node of row i is its ancestor at depth k (parents precede children)
+    rank = torch.cumsum(mask, -1) - 1                                            # [B, T, T] int64
+    anc = mask.new_zeros((B, T, T + 1), dtype=torch.int32)                       # [..., T]: the unused slot
+    nodes = torch.ones_like(mask, dtype=torch.int32).cumsum(-1, dtype=torch.int32) - 1   # [B, T, T]: j at [b, i, j]
+    anc.scatter_(2, rank.masked_fill(mask.logical_not(), T), nodes)
+    anc = anc.narrow(2, 0, T).reshape(-1)                                        # [B T T] (a copy)
+    compute = tl.float32 if interp else _COMPUTE[q.dtype]
+    out = torch.empty_like(q)
+    _exact_tree_attention_kernel[(B * T, Hkv)](
+        q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, anc, depth, out,
+        T, Hq, Hkv, Dh, k_cache.shape[0], block_table.shape[1], scale * 1.4426950408889634, window or 0,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_tree.stride(0), k_tree.stride(1), k_tree.stride(2),
+        G=Hq // Hkv, BS=BS, BLOCK_G=max(16, triton.next_power_of_2(Hq // Hkv)), BLOCK_N=block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(Dh)), COMPUTE_DTYPE=compute,
+        INPUT_PRECISION="ieee" if compute == tl.float32 else "tf32", USE_WINDOW=window is not None,
+        num_warps=4, num_stages=2,
+    )
+    return out
+
+
 def tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask, sm_scale=None, *,
-                   window=None, check_values=True):
+                   window=None, check_values=True, exact=False):
     """Attention of T tree nodes over a paged cache plus the tree itself (Triton).
 
     out[b, i] = softmax(q_i [K_cache(b); K_tree(b)]^T * sm_scale, tree nodes masked by tree_mask[b, i]) V
@@ -519,6 +623,11 @@ def tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree,
     fp32 / fp16 / bf16; fp64 raises TypeError. Same inputs are rejected as by the reference.
     The split-KV count comes from `choose_num_splits` (grid size, SM count, the block table's capacity:
     no host sync, and a run-time argument, so new batch sizes and capacities do not recompile).
+    exact=True: the batch-invariant variant. Node i's output has the same bits whatever the tree around it and
+    whether its ancestors are tree nodes or cached, so a serial step computes the bits a tree step does (the premise
+    of lossless bf16 MTP, mtp_triton/invariant.py): its keys are summed in tiles aligned at position 0, each key read
+    from the cache or from the node's ancestor at that depth, one program per (node, KV head), no split-KV. The price:
+    a tree of T nodes reads the cache T times (from L2 where it fits), and batch 1 at a long context runs on few SMs.
     check_values=False skips the checks that read tensor values (mask structure, cache lengths, block ids:
     host syncs on a GPU); shapes, dtypes and devices are always checked. For callers that built the inputs
     themselves (the engine's hot loop). With bad values this kernel
@@ -531,4 +640,4 @@ def tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree,
     lower-triangular, negative cache_lens) give undefined output, still without out-of-bounds reads.
     """
     return _tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask, sm_scale,
-                           check_values=check_values, window=window)
+                           check_values=check_values, window=window, exact=exact)
