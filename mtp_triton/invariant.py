@@ -62,8 +62,9 @@ def linear(layer, x):
     rows = x.reshape(-1, x.shape[-1])
     n = rows.shape[0]
     if rows.is_cuda:
-        rows = torch.cat([rows, rows.new_zeros(-n % MATMUL_ROWS, rows.shape[1])])        # [ceil(n / 32) * 32, K]
-        return torch.cat([layer(piece) for piece in rows.split(MATMUL_ROWS)])[:n].reshape(*x.shape[:-1], -1)
+        rows = torch.nn.functional.pad(rows, (0, 0, 0, -n % MATMUL_ROWS))               # [ceil(n / 32) * 32, K]
+        out = [layer(piece) for piece in rows.split(MATMUL_ROWS)]
+        return (out[0] if len(out) == 1 else torch.cat(out))[:n].reshape(*x.shape[:-1], -1)
     if 2 <= n <= MATMUL_ROWS or (n == 1 and getattr(layer, "one_row_exact", False)):
         return layer(x)
     if n == 1:

@@ -14,9 +14,8 @@
 # Writes at most 6 files to $OUT:
 #   gpu_check.log            everything every stage printed, with a status line per stage and a summary
 #   tables/tables.{csv,md,png}   python -m mtp_triton tables (published vs measured, analytic model, phases, HF)
-#   e2e.csv                  python -m mtp_triton.bench.e2e (serial vs MTP at batch 1 and 4, with and without the
-#                            verify step as a CUDA graph, the bf16 exact path (kernels="torch"), transformers'
-#                            greedy and prompt-lookup generate)
+#   e2e.csv                  python -m mtp_triton.bench.e2e (serial vs MTP at batch 1 and 4, bf16 and fp32, with and
+#                            without the verify step as a CUDA graph, transformers' greedy and prompt-lookup generate)
 #   kernel_bench.tar.gz      the kernel benchmarks' CSV + PNG, the pytest junit XML files and the compile audit's
 #                            aot/aot.{csv,md} (python -m mtp_triton aot --quick, with this machine's Triton)
 # Environment: PYTHON (default python, else python3), OUT (default out/gpu_check), GPU_CHECK_BUDGET_S (default
@@ -88,9 +87,10 @@ print('cuda', torch.cuda.is_available(), torch.cuda.get_device_name() if torch.c
 from mtp_triton.bench.common import env_info; print(env_info())"
 if [[ $DRY == 0 ]]; then nvidia-smi >>"$LOG" 2>&1 || log "nvidia-smi not available"; fi
 
-# ---- tests: the kernel test files (all their tests, on the GPU) and every other gpu-marked test ----
+# ---- tests: the kernel test files and the exact path's (all their tests, on the GPU), then other gpu tests ----
 KERNEL_TESTS=()
-for f in tests/test_drafting.py tests/test_tree_attention.py tests/test_accept.py tests/test_kv_append.py; do
+for f in tests/test_drafting.py tests/test_tree_attention.py tests/test_accept.py tests/test_kv_append.py \
+         tests/test_invariant.py tests/test_engine_triton.py; do
   if [[ -f $f ]]; then KERNEL_TESTS+=("$f"); else log "MISSING $f (not written yet): skipped"; fi
 done
 IGNORE=(); for f in "${KERNEL_TESTS[@]}"; do IGNORE+=("--ignore=$f"); done
@@ -109,19 +109,16 @@ fi
 if [[ $DRY == 1 ]]; then
   stage e2e 40 "$PY" -m mtp_triton.bench.e2e --quick --shape llama7b --no-hf --batches 1,2 --out "$OUT/e2e.csv"
 else
-  stage e2e-llama7b 75 "$PY" -m mtp_triton.bench.e2e --shape llama7b --batches 1,4 --max-new-tokens 64 \
+  # bf16: the Triton kernels' batch-invariant path (tree_attention's exact variant, 32-row linear pieces), whose MTP
+  # must equal its serial, with and without CUDA graphs; then which of the exact mode's premises hold here, per dtype
+  stage e2e-llama7b 120 "$PY" -m mtp_triton.bench.e2e --shape llama7b --batches 1,4 --max-new-tokens 64 \
     --out "$OUT/e2e.csv"
-  # bf16 exact: the PyTorch twins' batch-invariant path (invariant.py), whose MTP must equal its serial; first
-  # which of its premises hold on this GPU, per dtype
   stage invariance 30 "$PY" -c "
 import torch
 from mtp_triton.invariant import row_invariance
 for dt in (torch.bfloat16, torch.float16, torch.float32):
     print('row_invariance', dt, 'cuda:', row_invariance(dt, 'cuda'))"
-  stage e2e-llama7b-exact 120 "$PY" -m mtp_triton.bench.e2e --shape llama7b --kernels torch --batches 1,4 \
-    --max-new-tokens 64 --out "$OUT/e2e.csv"
-  # fp32 at the 7B shape: greedy MTP token-identical to serial and to transformers (bf16 with the Triton kernels is
-  # not batch-invariant, so there a tree step can flip a near-tie)
+  # fp32 at the 7B shape: greedy MTP token-identical to serial and to transformers
   stage e2e-llama7b-fp32 75 "$PY" -m mtp_triton.bench.e2e --shape llama7b --dtype float32 --batches 1 \
     --max-new-tokens 64 --out "$OUT/e2e.csv"
   stage e2e-embedded 40 "$PY" -m mtp_triton.bench.e2e --shape embedded --batches 1,4 --max-new-tokens 64 \

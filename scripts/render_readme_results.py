@@ -334,12 +334,16 @@ def gpu_block(folder):
         agree = sorted({r["dtype"] for r in e2e if r["dtype"] not in dts})
         same = agree and all(r["identical_to_serial"] == "True" for r in e2e if r["dtype"] in agree)
         held = [r for r in mtp if exact(r)]
-        out.append(f"\nWith the Triton kernels MTP's tokens differ from our serial ones in {', '.join(dts)}: the Triton "
-                   "kernels and cuBLAS are not batch-invariant, so a tree step can round differently from a serial "
-                   "step and flip a near-tie (the likely cause; the runs did not record the logit margin where the "
-                   "outputs part). After the first difference the synthetic drafts, which follow the serial "
-                   "continuation, stop matching, so τ there is not the profile's. "
-                   + (f"The exact path (`torch (exact)`: linear layers and norms in pieces of exactly 32 rows, so one "
+        commits = ", ".join(sorted({r["commit"].split()[0] for r in flips}))
+        out.append(f"\nWith the Triton kernels MTP's tokens differ from our serial ones in {', '.join(dts)} (rows of "
+                   f"commit {commits}): those kernels and cuBLAS were not batch-invariant, so a tree step could round "
+                   "differently from a serial step and flip a near-tie (the likely cause; the runs did not record the "
+                   "logit margin where the outputs part). After the first difference the synthetic drafts, which "
+                   "follow the serial continuation, stop matching, so τ there is not the profile's. Since then bf16 "
+                   "and fp16 with the Triton kernels run the exact path too (`tree_attention(..., exact=True)` and "
+                   "32-row linear pieces): run 5's tests checked it on this GPU, and no run has timed it yet. "
+                   + (f"The PyTorch twins' exact path (`torch (exact)`: linear layers and norms in pieces of exactly 32 "
+                      f"rows, so one "
                       f"cuBLAS kernel serves serial and tree steps, and the batch-invariant attention) gives our serial "
                       f"tokens in {sum(r['identical_to_serial'] == 'True' for r in held)} of its {len(held)} MTP rows "
                       f"(batch {', '.join(sorted({r['batch'] for r in held}))}), at the cost of a slower serial step. "

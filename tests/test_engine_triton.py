@@ -4,6 +4,7 @@ import torch
 
 import mtp_triton as mt
 from mtp_triton.drafters import OracleDrafter
+from conftest import DEVICE
 from hf_models import hf_greedy, make_hf
 
 PROMPTS = [[5, 17, 33, 42, 90, 1], [7, 8, 9]]
@@ -13,7 +14,7 @@ N = 10
 @pytest.fixture(scope="module")
 def case():
     hf = make_hf("gqa-hd16-v203-untied-L2", dtype=torch.float32)
-    return hf, mt.LlamaEngine.from_hf(hf)
+    return hf, mt.LlamaEngine.from_hf(hf, device=DEVICE)            # a CPU: Triton's interpreter
 
 
 def test_triton_serial_and_mtp_match_hf(case):
@@ -56,6 +57,6 @@ def test_cuda_graph_verify_matches_eager():
 
 
 def test_cuda_graph_needs_cuda(case):
-    _, model = case
+    model = mt.LlamaEngine.from_hf(case[0])                                     # on the CPU
     with pytest.raises(ValueError, match="CUDA"):
         mt.generate(model, PROMPTS, 4, cuda_graph=True)
