@@ -272,10 +272,12 @@ def attention(q, k_cache, v_cache, k_tree, v_tree, p, sm_scale=None, finite=Fals
 
 def tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask, sm_scale=None, *,
                    window=None, check_values=True):
-    """The twin's signature (`mtp_triton.reference.tree_attention`): plan + attention for one layer."""
-    if check_values:
-        from .reference import _checks
-        _checks("tree_attention").check_tree_attention_inputs(q, k_cache, v_cache, block_table, cache_lens, k_tree,
-                                                              v_tree, tree_mask)
+    """The twin's signature (`mtp_triton.reference.tree_attention`): plan + attention for one layer, with the same
+    input checks (shapes always; values unless check_values=False; the window)."""
+    from .reference import _checks
+    checks = _checks("tree_attention")
+    checks.check_tree_attention_inputs(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask,
+                                       values=check_values, window=window)
+    window = checks.check_window(window)
     return attention(q, k_cache, v_cache, k_tree, v_tree, plan(block_table, cache_lens, tree_mask, k_cache.shape[1],
                                                                window), sm_scale)

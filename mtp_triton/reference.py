@@ -102,7 +102,8 @@ def tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree,
     kernel. check_values=True refuses both with a ValueError.
     exact=True: the batch-invariant attention, `mtp_triton.invariant.tree_attention` (a node's output has the same
     bits whatever else is in the tree and whether its ancestors are cached: the same function of the inputs, summed
-    in an order fixed by token positions), as the Triton kernel's exact=True.
+    in an order fixed by token positions), as the Triton kernel's exact=True. It expects the blocks a sequence owns
+    to hold no NaN/inf (the engine's caches never do), where the plain twin also ignores NaN in their unused slots.
     """
     if exact:
         return invariant.tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask,

@@ -38,7 +38,7 @@ def step_cost(model, trees, batch=1, context=256, kernels="auto", reps=5):
 
         def run(tokens=tokens, positions=positions, mask=tree.mask):
             h, _, _ = model.forward_tree(tokens, positions, mask, cache, rows, ops, check_values=False)
-            model.logits(h)
+            model.logits(h, model.exact_mode(ops))                    # as step.verify
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
 

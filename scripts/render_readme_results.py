@@ -302,10 +302,10 @@ def gpu_block(folder):
         return [f"**GPU runs:** `{rel}`", ""]
     # one e2e invocation = one run_id with one kernel kind; a later run of the same (model, dtype, kind) replaces it
     kinds = {r["run_id"]: r["kernels"] for r in e2e if r["provider"].startswith("ours")}
-    group = lambda r: (r["model"], r["dtype"], kinds[r["run_id"]])            # noqa: E731
+    group = lambda r: (r["model"], r["dtype"], kinds.get(r["run_id"], r["kernels"]))   # noqa: E731
     latest = {group(r): r["run_id"] for r in e2e}
     shown = [r for r in e2e if latest[group(r)] == r["run_id"]]
-    exact = lambda r: kinds[r["run_id"]] == "torch" and r["dtype"] in ("bfloat16", "float16")   # noqa: E731
+    exact = lambda r: kinds.get(r["run_id"]) == "torch" and r["dtype"] in ("bfloat16", "float16")   # noqa: E731
     r0 = e2e[0]
     out = [f"**GPU: {r0['device']}** (`scripts/gpu_check.sh`, {len(runs)} runs on {r0['timestamp'][:10]}, torch "
            f"{r0['torch']}, triton {r0['triton']}; rows, logs and each run's command and commit: `{rel}/`; the latest "

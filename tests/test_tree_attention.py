@@ -571,10 +571,23 @@ def _as_serial_step(c, tree, b, i, window):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_exact_tree_step_is_bit_identical_to_serial_steps(window, dtype):
     """What exact=True is for: every node's output has the bits of the serial step that would compute it (on a GPU
-    with Llama-2-7B's head shape, in bf16; in the interpreter the dots are fp32)."""
+    with Llama-2-7B's head shape, in bf16). In the interpreter the dots are fp32, so there only the fp32 case can
+    fail (the plain kernel fails it: its sums run in another order); the bf16 output rounds the difference away."""
     Hq, Hkv, Dh = (32, 32, 128) if DEVICE == "cuda" else (6, 2, 16)
     c = make_case([5, 70, 33], BUSHY, Hq, Hkv, Dh, 16, dtype)
     out = tree_attention(**c, window=window, exact=True)
     for b in range(3):
         for i in range(BUSHY.size):
             assert torch.equal(out[b, i], _as_serial_step(c, BUSHY, b, i, window)), (b, i)
+
+
+def test_twin_exact_is_the_batch_invariant_attention():
+    """The twin's exact=True is `invariant.tree_attention`, with the twin's input checks (window included). It
+    expects the blocks a sequence owns to hold no NaN (the engine's caches never do), so the poison is zeroed."""
+    from mtp_triton import invariant
+    c = {k: v.nan_to_num() if v.is_floating_point() else v
+         for k, v in make_case([5, 40], BUSHY, 4, 2, 16, 16, torch.bfloat16).items()}
+    assert torch.equal(reference.tree_attention(**c, exact=True), invariant.tree_attention(**c))
+    for bad in (0, True):
+        with pytest.raises((ValueError, TypeError)):
+            reference.tree_attention(**c, exact=True, window=bad, check_values=False)
