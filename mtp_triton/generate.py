@@ -83,7 +83,9 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
     Medusa-style choices, verified as given (None: the heads' stored tree, else the package default, and on a CPU
     each step verifies the part of it that pays on this machine's measured step costs: RuntimeConfig.size_by_cost).
     temperature 0: greedy; > 0: sampling (top_p nucleus), reproducible from `seed` (an int in [0, 2**64); one generator serves the whole batch,
-    so a sampled prompt's tokens depend on its batch-mates: run a prompt alone for samples of its own). eos_token_id: None, an int, a list of ints or an int tensor.
+    so a sampled prompt's tokens depend on its batch-mates: run a prompt alone for samples of its own; the random
+    numbers also follow the verified trees, so where the CPU default sizes them by measured costs, pass
+    RuntimeConfig(size_by_cost=False) for samples that do not depend on the machine's timing). eos_token_id: None, an int, a list of ints or an int tensor.
     kernels: "triton" | "torch" | "compiled" | "auto" (Triton on CUDA, the PyTorch twins elsewhere; "compiled": the
     twins with the decoder layer compiled by torch.compile, CPU: mtp_triton/ops.py, compiled.py). A bf16/fp16 model
     runs the exact path (invariant.py; the Triton kernels' batch-invariant variant on a GPU), so greedy MTP emits the
