@@ -1,5 +1,7 @@
-"""Shared benchmark plumbing: command-line pieces, figures, timing and measured copy bandwidth.
-The environment stamp, CSV rows and atomic writes live in mtp_triton.records (re-exported here)."""
+"""Shared benchmark plumbing: the kernel benchmarks' command line, device and size grid, timing, measured copy
+bandwidth and figures. The environment stamp, CSV rows and atomic writes live in mtp_triton.records (re-exported
+here)."""
+import argparse
 import io
 import os
 import sys
@@ -8,16 +10,40 @@ import time
 import torch
 
 from ..cli import int_at_least  # noqa: F401  (re-exported for bench code)
-from ..records import (KeptRows, append_rows, cpu_model_and_flags, device_name, ensure_writable_dir,  # noqa: F401
-                       env_info, git_commit, output_lock, read_rows, read_whole_rows, resume_rows, write_bytes,
-                       write_json, write_text)
+from ..records import (KeptRows, append_rows, ensure_writable_dir, env_info, git_commit, output_lock,  # noqa: F401
+                       read_rows, resume_rows, write_bytes, write_text)
+
 
 # ---- command lines ------------------------------------------------------------------------------------------
-def add_output_args(ap, default_csv, png_next_to_csv=False):
-    """--out (the CSV rows are appended to) and --plot (a PNG of this run's rows)."""
+def kernel_parser(doc, default_csv, png_next_to_csv=False):
+    """The parser of a kernel benchmark: doc's first line, --out (the CSV the rows are appended to) and --plot (a
+    PNG of this run's rows)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--out", default=default_csv, help="CSV to append rows to")
     ap.add_argument("--plot", default=None, help="PNG path for the plot of this run's rows (default: " +
                     ("next to --out)" if png_next_to_csv else "no plot)"))
+    return ap
+
+
+def kernel_args(ap, argv, module=None, no_gpu=None):
+    """Parse argv; without CUDA, print `no_gpu` and, for a benchmark `module` that launches Triton kernels, switch on
+    Triton's interpreter (mtp_triton.use_interpreter), the only way Triton runs kernels without a GPU.
+
+    If a kernel module was already built without it (use_interpreter raises RuntimeError), the command is run again
+    as `python -m <module> <argv>` in a fresh process with TRITON_INTERPRET=1 (os.execve: nothing after this call
+    runs in the old process). A command-line helper: only main() functions call it."""
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        if module:
+            from ..kernels import use_interpreter
+            try:
+                use_interpreter()
+            except RuntimeError:
+                argv = list(sys.argv[1:] if argv is None else argv)
+                os.execve(sys.executable, [sys.executable, "-m", module, *argv], dict(os.environ, TRITON_INTERPRET="1"))
+        if no_gpu:
+            print(no_gpu)
+    return args
 
 
 def save_rows(rows, csv_path, plot=None, png=None, line=None):
@@ -35,22 +61,6 @@ def png_next_to(csv_path):
     return os.path.splitext(csv_path)[0] + ".png"
 
 
-def interpreter_unless_cuda(module, argv):
-    """Without CUDA, Triton runs kernels only in its interpreter: switch it on (mtp_triton.use_interpreter).
-
-    If a kernel module was already built without it (use_interpreter raises RuntimeError), this command is run
-    again as `python -m <module> <argv>` in a fresh process with TRITON_INTERPRET=1 (os.execve: nothing after
-    this call runs in the old process). A command-line helper: only main() functions call it."""
-    if torch.cuda.is_available():
-        return
-    from ..kernels import use_interpreter
-    try:
-        use_interpreter()
-    except RuntimeError:
-        args = list(sys.argv[1:] if argv is None else argv)
-        os.execve(sys.executable, [sys.executable, "-m", module, *args], dict(os.environ, TRITON_INTERPRET="1"))
-
-
 def save_figure(fig, path, close=False, **savefig_kw):
     """tight_layout, save at 80 dpi through write_bytes (an interrupted save leaves the old image whole; the folder
     is created); the format follows the file's extension (png without one). close=True for pyplot figures the
@@ -63,6 +73,19 @@ def save_figure(fig, path, close=False, **savefig_kw):
         import matplotlib.pyplot as plt
         plt.close(fig)
     return path
+
+
+# ---- devices and sizes --------------------------------------------------------------------------------------
+def bench_device(device=None):
+    """(device, on_gpu): `device` if given, else "cuda" where CUDA is available, else "cpu"."""
+    on_gpu = torch.cuda.is_available() if device is None else str(device).startswith("cuda")
+    return device or ("cuda" if on_gpu else "cpu"), on_gpu
+
+
+def sweep(defaults, **given):
+    """The sizes a benchmark sweeps: its `defaults` (a dict: the full grid on a GPU, a tiny one on a CPU), each
+    replaced by the value given for it, unless that is None or empty."""
+    return {k: given.get(k) or v for k, v in defaults.items()}
 
 
 # ---- timing -------------------------------------------------------------------------------------------------

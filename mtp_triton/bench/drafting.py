@@ -10,14 +10,11 @@ Drafting is bandwidth-bound, so the headline metric is the bandwidth achieved on
 V * D * bytes / time, next to the measured device copy bandwidth (`copy_bandwidth()`, read + write counted).
 `total_GBps` counts every weight byte read (ResBlocks + LM head), the true traffic of one draft step.
 """
-import argparse
-import os
-
 import torch
 import torch.nn.functional as F
 
 from .. import reference
-from .common import (add_output_args, copy_bandwidth, env_info, interpreter_unless_cuda, save_figure, save_rows,
+from .common import (bench_device, copy_bandwidth, env_info, kernel_args, kernel_parser, save_figure, save_rows,
                      time_fn)
 
 GPU_SHAPES = [  # (B, H, D, V)
@@ -52,10 +49,9 @@ def run(shapes=None, top_k=10, dtype=torch.bfloat16, providers=None, device=None
 
     Without CUDA, call mtp_triton.use_interpreter() first (main() does)."""
     from ..kernels.drafting import fused_draft         # imported here: the interpreter choice comes first
-    on_gpu = torch.cuda.is_available() if device is None else str(device).startswith("cuda")
-    device = torch.device("cuda" if on_gpu else "cpu")
-    interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    mode = "gpu" if on_gpu and not interp else "cpu-interpreter"
+    device, on_gpu = bench_device(device)
+    env = env_info(device)
+    mode = "gpu" if on_gpu and not env["interpreter"] else "cpu-interpreter"
     shapes = shapes or (GPU_SHAPES if mode == "gpu" else CPU_SHAPES)
     providers = providers or ["triton-fused", "torch-unfused", "torch-compile"]
     note = ""
@@ -65,9 +61,8 @@ def run(shapes=None, top_k=10, dtype=torch.bfloat16, providers=None, device=None
     if mode != "gpu":
         note += "CPU + Triton interpreter: not indicative of GPU speed"
     copy_bps = copy_bandwidth(device)
-    env = env_info(device)
-    compiled = torch.compile(unfused_draft) if "torch-compile" in providers else None
-    fns = {"triton-fused": fused_draft, "torch-unfused": unfused_draft, "torch-compile": compiled}
+    fns = {"triton-fused": fused_draft, "torch-unfused": unfused_draft,
+           "torch-compile": torch.compile(unfused_draft) if "torch-compile" in providers else None}
     rows = []
     for B, H, D, V in shapes:
         inputs = make_inputs(B, H, D, V, dtype, device)
@@ -98,24 +93,21 @@ def run(shapes=None, top_k=10, dtype=torch.bfloat16, providers=None, device=None
 
 def plot(rows, path=None):
     """Time per shape and provider (left) and LM-head bandwidth as a fraction of copy bandwidth (right)."""
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
-    def f(r, k):
-        return float(r[k])
+    def shape(r):
+        return f"B{r['B']} H{r['H']}\nV{r['V']}"
 
-    shapes = []
-    for r in rows:
-        s = f"B{r['B']} H{r['H']}\nV{r['V']}"
-        if s not in shapes:
-            shapes.append(s)
+    shapes = list(dict.fromkeys(shape(r) for r in rows))
     providers = list(dict.fromkeys(r["provider"] for r in rows))
-    fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(11, 3.8), dpi=80)
+    fig = Figure(figsize=(11, 3.8), dpi=80)
+    ax_t, ax_b = fig.subplots(1, 2)
     width = 0.8 / max(len(providers), 1)
     for i, p in enumerate(providers):
-        mine = {f"B{r['B']} H{r['H']}\nV{r['V']}": r for r in rows if r["provider"] == p}
+        mine = {shape(r): r for r in rows if r["provider"] == p}
         xs = [j + i * width for j, s in enumerate(shapes) if s in mine]
-        ax_t.bar(xs, [f(mine[s], "time_us") for s in shapes if s in mine], width, label=p)
-        ax_b.bar(xs, [100 * f(mine[s], "lm_head_frac_of_copy") for s in shapes if s in mine], width, label=p)
+        ax_t.bar(xs, [float(mine[s]["time_us"]) for s in shapes if s in mine], width, label=p)
+        ax_b.bar(xs, [100 * float(mine[s]["lm_head_frac_of_copy"]) for s in shapes if s in mine], width, label=p)
     for ax in (ax_t, ax_b):
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], shapes, fontsize=8)
     ax_t.set_yscale("log")
@@ -131,28 +123,21 @@ def plot(rows, path=None):
     return fig
 
 
-def _parse_shapes(text):
-    return [tuple(int(x) for x in s.split(",")) for s in text.split(";") if s.strip()]
-
-
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_output_args(ap, "results/drafting.csv")
+    ap = kernel_parser(__doc__, "results/drafting.csv")
     ap.add_argument("--top-k", type=int, default=10)
     ap.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
     ap.add_argument("--shapes", default=None, help='"B,H,D,V;B,H,D,V" (default: Llama-7B-like on GPU, tiny on CPU)')
     ap.add_argument("--providers", default=None, help="comma list of triton-fused,torch-unfused,torch-compile")
-    args = ap.parse_args(argv)
-    interpreter_unless_cuda("mtp_triton.bench.drafting", argv)
-    if not torch.cuda.is_available():
-        print("no GPU: tiny shapes, Triton interpreter on CPU (the numbers only show the pipeline runs)")
-    rows = run(shapes=_parse_shapes(args.shapes) if args.shapes else None, top_k=args.top_k,
-               dtype=getattr(torch, args.dtype), providers=args.providers.split(",") if args.providers else None)
-    for r in rows:
-        print(f"{r['provider']:>14} B{r['B']} H{r['H']} D{r['D']} V{r['V']}: {r['time_us']:10.1f} us  "
-              f"LM head {r['lm_head_GBps']:8.1f} GB/s ({100 * r['lm_head_frac_of_copy']:5.1f} % of copy)  "
-              f"x{r['speedup_vs_unfused']:.2f} vs unfused  err {r['max_logprob_err']:.1e}")
-    save_rows(rows, args.out, plot, args.plot)
+    args = kernel_args(ap, argv, "mtp_triton.bench.drafting",
+                       "no GPU: tiny shapes, Triton interpreter on CPU (the numbers only show the pipeline runs)")
+    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";") if s.strip()] if args.shapes else None
+    rows = run(shapes=shapes, top_k=args.top_k, dtype=getattr(torch, args.dtype),
+               providers=args.providers.split(",") if args.providers else None)
+    save_rows(rows, args.out, plot, args.plot,
+              line=lambda r: f"{r['provider']:>14} B{r['B']} H{r['H']} D{r['D']} V{r['V']}: {r['time_us']:10.1f} us  "
+                             f"LM head {r['lm_head_GBps']:8.1f} GB/s ({100 * r['lm_head_frac_of_copy']:5.1f} % of "
+                             f"copy)  x{r['speedup_vs_unfused']:.2f} vs unfused  err {r['max_logprob_err']:.1e}")
 
 
 if __name__ == "__main__":

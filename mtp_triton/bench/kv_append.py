@@ -15,20 +15,24 @@ GPU: Llama-7B (32 layers, 32 KV heads, Dh 128) and Llama-3-8B (8 KV heads), bf16
 0-8 of a 64-node tree, cache lengths ~512-1024 tokens in 16-token blocks. CPU: a tiny model through the Triton
 interpreter — those times measure the interpreter, not the kernel, and are labelled so.
 """
-import argparse
+import itertools
 
 import torch
 
 from .. import reference
 from ..kernels.kv_append import _launch_kv_append, kv_append
-from .common import (add_output_args, copy_bandwidth, env_info, interpreter_unless_cuda, png_next_to, save_figure,
-                     save_rows, time_fn)
+from .common import (bench_device, copy_bandwidth, env_info, kernel_args, kernel_parser, png_next_to, save_figure,
+                     save_rows, sweep, time_fn)
 
 MODELS = {
     "llama-7b": dict(L=32, Hkv=32, Dh=128),
     "llama-3-8b": dict(L=32, Hkv=8, Dh=128),
     "tiny-cpu": dict(L=4, Hkv=2, Dh=64),
 }
+GPU_GRID = dict(models=("llama-7b", "llama-3-8b"), batches=(1, 2, 4, 8, 16), accept_lens=(0, 1, 2, 4, 8), T=64,
+                cache_len=1024, block_size=16)
+CPU_GRID = dict(models=("tiny-cpu",), batches=(1, 4), accept_lens=(0, 4), T=8, cache_len=24, block_size=4)
+STEP_ARGS = ("k_cache", "v_cache", "block_table", "cache_lens", "k_tree", "v_tree", "accept_nodes", "accept_len")
 PROVIDERS = ("triton", "triton-launch", "torch-per-layer", "torch-vectorized", "torch-reference")
 
 
@@ -79,73 +83,54 @@ def vectorized_append(k_cache, v_cache, block_table, cache_lens, k_tree, v_tree,
     v_cache[:, blk, slot] = v_tree[:, bi, node]
 
 
-def _provider_fn(provider, step, max_tokens):
-    args = [step[k] for k in ("k_cache", "v_cache", "block_table", "cache_lens", "k_tree", "v_tree",
-                              "accept_nodes", "accept_len")]
-    if provider == "triton":
-        return lambda: kv_append(*args)
-    if provider == "triton-launch":
-        return lambda: _launch_kv_append(*args, max_tokens=max_tokens)
-    if provider == "torch-per-layer":
-        return lambda: per_layer_append(*args)
-    if provider == "torch-vectorized":
-        return lambda: vectorized_append(*args)
-    if provider == "torch-reference":
-        return lambda: reference.kv_append(*args)
-    raise ValueError(f"unknown provider {provider!r}; choose from {PROVIDERS}")
-
-
 def bench_kv_append(full=None, device=None, models=None, batches=None, accept_lens=None, T=None,
                     providers=PROVIDERS, dtype=None, seed=0):
     """Time every provider; returns rows (dicts, each with env_info()).
 
-    full (default: CUDA available): Llama shapes, batch 1-16, accept 0-8, T = 64; otherwise the tiny CPU
-    model through the interpreter, batch 1 and 4, accept 0 and 4, T = 8. Any argument overrides its default.
+    full (default: CUDA available): GPU_GRID, Llama shapes; otherwise CPU_GRID, the tiny CPU model through the
+    interpreter. Any argument overrides its default.
     """
-    on_gpu = torch.cuda.is_available() if device is None else str(device).startswith("cuda")
-    device = device or ("cuda" if on_gpu else "cpu")
+    device, on_gpu = bench_device(device)
     full = on_gpu if full is None else full
-    models = models or (["llama-7b", "llama-3-8b"] if full else ["tiny-cpu"])
-    batches = batches or ((1, 2, 4, 8, 16) if full else (1, 4))
-    accept_lens = accept_lens or ((0, 1, 2, 4, 8) if full else (0, 4))
-    T = T or (64 if full else 8)
+    g = sweep(GPU_GRID if full else CPU_GRID, models=models, batches=batches, accept_lens=accept_lens, T=T)
     dtype = dtype or (torch.bfloat16 if on_gpu else torch.float16)
     env = env_info(device)
     ceiling = copy_bandwidth(device)
     rows = []
-    for model in models:
+    for model, B, a in itertools.product(g["models"], g["batches"], g["accept_lens"]):
         cfg = MODELS[model]
-        for B in batches:
-            for a in accept_lens:
-                step = make_step(cfg["L"], cfg["Hkv"], cfg["Dh"], B, T, a, cache_len=1024 if full else 24,
-                                 BS=16 if full else 4, dtype=dtype, device=device, seed=seed)
-                nbytes = 2 * 2 * cfg["L"] * B * (a + 1) * cfg["Hkv"] * cfg["Dh"] * step["k_cache"].element_size()
-                times = {}
-                for p in providers:
-                    times[p] = time_fn(_provider_fn(p, step, a + 1), warmup=1, rep=5 if full else 3, device=device)
-                for p in providers:
-                    rows.append(dict(
-                        kernel="kv_append", provider=p, model=model, layers=cfg["L"], kv_heads=cfg["Hkv"],
-                        head_dim=cfg["Dh"], dtype=str(dtype).replace("torch.", ""), batch=B, accept_len=a,
-                        tree_nodes=T, time_s=times[p], bytes=nbytes, gbps=nbytes / times[p] / 1e9,
-                        ceiling_gbps=ceiling / 1e9,
-                        speedup_vs_per_layer=(times["torch-per-layer"] / times[p]
-                                              if "torch-per-layer" in times else float("nan")),
-                        full=full, **env))
-                del step
+        step = make_step(cfg["L"], cfg["Hkv"], cfg["Dh"], B, g["T"], a, g["cache_len"], g["block_size"], dtype, device,
+                         seed)
+        args = [step[k] for k in STEP_ARGS]
+        fns = {"triton": lambda: kv_append(*args),
+               "triton-launch": lambda: _launch_kv_append(*args, max_tokens=a + 1),
+               "torch-per-layer": lambda: per_layer_append(*args),
+               "torch-vectorized": lambda: vectorized_append(*args),
+               "torch-reference": lambda: reference.kv_append(*args)}
+        nbytes = 2 * 2 * cfg["L"] * B * (a + 1) * cfg["Hkv"] * cfg["Dh"] * step["k_cache"].element_size()
+        times = {p: time_fn(fns[p], warmup=1, rep=5 if full else 3, device=device) for p in providers}
+        for p in providers:
+            rows.append(dict(
+                kernel="kv_append", provider=p, model=model, layers=cfg["L"], kv_heads=cfg["Hkv"],
+                head_dim=cfg["Dh"], dtype=str(dtype).replace("torch.", ""), batch=B, accept_len=a,
+                tree_nodes=g["T"], time_s=times[p], bytes=nbytes, gbps=nbytes / times[p] / 1e9,
+                ceiling_gbps=ceiling / 1e9,
+                speedup_vs_per_layer=(times["torch-per-layer"] / times[p]
+                                      if "torch-per-layer" in times else float("nan")),
+                full=full, **env))
+        del step, args
     return rows
 
 
 def plot(rows, path):
     """Time per call vs batch (at the largest accept length) and vs accept length (at the smallest batch),
     one column per model, one line per provider. Drawn from the rows only."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     models = list(dict.fromkeys(r["model"] for r in rows))
     providers = list(dict.fromkeys(r["provider"] for r in rows))
-    fig, axes = plt.subplots(2, len(models), figsize=(5 * len(models), 6.4), squeeze=False)
+    fig = Figure(figsize=(5 * len(models), 6.4))
+    axes = fig.subplots(2, len(models), squeeze=False)
     for c, model in enumerate(models):
         mr = [r for r in rows if r["model"] == model]
         a_max = max(int(r["accept_len"]) for r in mr)
@@ -165,19 +150,16 @@ def plot(rows, path):
     axes[0][0].legend(fontsize=8)
     interp = " (Triton interpreter: not kernel speed)" if rows and str(rows[0]["interpreter"]) == "True" else ""
     fig.suptitle(f"kv_append on {rows[0]['device'] if rows else ''}{interp}", fontsize=10)
-    return save_figure(fig, path, close=True)
+    return save_figure(fig, path)
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_output_args(ap, "results/kv_append.csv", png_next_to_csv=True)
+    ap = kernel_parser(__doc__, "results/kv_append.csv", png_next_to_csv=True)
     ap.add_argument("--models", nargs="*", default=None, choices=sorted(MODELS))
     ap.add_argument("--batches", nargs="*", type=int, default=None)
     ap.add_argument("--accept-lens", nargs="*", type=int, default=None)
-    args = ap.parse_args(argv)
-    interpreter_unless_cuda("mtp_triton.bench.kv_append", argv)
-    if not torch.cuda.is_available():
-        print("no GPU: tiny CPU size through the Triton interpreter (times measure the interpreter)")
+    args = kernel_args(ap, argv, "mtp_triton.bench.kv_append",
+                       "no GPU: tiny CPU size through the Triton interpreter (times measure the interpreter)")
     rows = bench_kv_append(models=args.models, batches=args.batches, accept_lens=args.accept_lens)
     save_rows(rows, args.out, plot, args.plot or png_next_to(args.out),
               line=lambda r: f"{r['model']:11} B {r['batch']:>2} accept {r['accept_len']} {r['provider']:16} "

@@ -22,16 +22,18 @@ Implementations timed:
                    (BLOCK_N tokens, sequence, kv head) copying a [BLOCK_N, Dh] tile, row ids computed in-kernel.
 On CPU the Triton kernel runs in the interpreter, so it is only checked for correctness there, never timed.
 """
-import argparse
-
 import torch
 import triton
 import triton.language as tl
 
-from .common import add_output_args, env_info, png_next_to, save_figure, save_rows, time_fn
+from .common import bench_device, env_info, kernel_parser, png_next_to, save_figure, save_rows, time_fn
 
 LAYOUTS = ("contiguous", "paged", "interleaved")
 _LAYOUT_ID = {name: i for i, name in enumerate(LAYOUTS)}
+# GPU: 16 sequences of 4096 tokens; 1 / 8 / 32 KV heads of 128 (bf16 rows of 256 B, 2 KiB, 8 KiB)
+GPU_SIZES = dict(B=16, capacity=4096, heads=(1, 8, 32), Dh=128, n_reads=(512, 4096), n_new=5, dtype=torch.bfloat16)
+# CPU: small enough for a notebook, large enough (16 MiB caches at 8 heads) not to live in L2
+CPU_SIZES = dict(B=4, capacity=2048, heads=(1, 8), Dh=128, n_reads=(256, 2048), n_new=5, dtype=torch.float16)
 
 
 class Layout:
@@ -60,7 +62,6 @@ class Layout:
         perm = torch.randperm(B * self.n_per_seq, generator=g) if name != "contiguous" \
             else torch.arange(B * self.n_per_seq)
         self.block_table = perm.view(B, self.n_per_seq).to(torch.int32).to(device)   # [B, n_per_seq]
-        self.device = device
 
     @property
     def num_rows(self):
@@ -150,24 +151,15 @@ def _op(impl, pattern, lay, cache, buf, idx, start):
     raise ValueError(f"unknown impl {impl!r}")
 
 
-def _default_sizes(full):
-    if full:   # GPU: 16 sequences of 4096 tokens; 1 / 8 / 32 KV heads of 128 (bf16 rows of 256 B, 2 KiB, 8 KiB)
-        return dict(B=16, capacity=4096, heads=(1, 8, 32), Dh=128, n_reads=(512, 4096), n_new=5,
-                    dtype=torch.bfloat16)
-    # CPU: small enough for a notebook, large enough (16 MiB caches at 8 heads) not to live in L2
-    return dict(B=4, capacity=2048, heads=(1, 8), Dh=128, n_reads=(256, 2048), n_new=5, dtype=torch.float16)
-
-
 def layout_rows(full=None, device=None, block_size=16, n_interleave=8, seed=0, sizes=None):
     """Time every (pattern, layout, implementation, kv heads, tokens) once; returns rows (dicts) with env_info().
 
-    full: full sizes (default: on when CUDA is available); sizes: override the dict of `_default_sizes`.
+    full: GPU_SIZES (default: when CUDA is available), else CPU_SIZES; sizes: a dict overriding some of them.
     time_s is the median seconds per call; gbps counts bytes read + written.
     """
-    on_gpu = torch.cuda.is_available() if device is None else str(device).startswith("cuda")
-    device = device or ("cuda" if on_gpu else "cpu")
+    device, on_gpu = bench_device(device)
     full = on_gpu if full is None else full
-    s = dict(_default_sizes(full), **(sizes or {}))
+    s = dict(GPU_SIZES if full else CPU_SIZES, **(sizes or {}))
     impls = ["torch-slice", "torch-gather"] + (["triton"] if on_gpu else [])
     env = env_info(device)
     g = torch.Generator().manual_seed(seed)                       # small index tensors, on the CPU
@@ -176,8 +168,7 @@ def layout_rows(full=None, device=None, block_size=16, n_interleave=8, seed=0, s
     B, cap, Dh = s["B"], s["capacity"], s["Dh"]
     for Hkv in s["heads"]:
         cache = torch.randn(B * cap, Hkv, Dh, generator=g_dev, device=device, dtype=s["dtype"])
-        elt = cache.element_size()
-        row_bytes = Hkv * Dh * elt
+        row_bytes = Hkv * Dh * cache.element_size()
         for name in LAYOUTS:
             lay = Layout(name, B, cap, block_size, n_interleave, seed, device)
             cases = [("read", n, torch.zeros(B, dtype=torch.int32)) for n in s["n_reads"]]
@@ -204,13 +195,12 @@ def layout_rows(full=None, device=None, block_size=16, n_interleave=8, seed=0, s
 def plot(rows, path):
     """Bars of achieved GB/s per layout, one panel per (pattern, tokens), grouped by kv heads; torch-gather
     (and triton where measured). Drawn from the rows only."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     panels = sorted({(r["pattern"], int(r["tokens"])) for r in rows}, key=lambda x: (x[0] != "read", x[1]))
     impls = [i for i in ("torch-gather", "triton") if any(r["impl"] == i for r in rows)]
-    fig, axes = plt.subplots(len(impls), len(panels), figsize=(3.6 * len(panels), 2.8 * len(impls)), squeeze=False)
+    fig = Figure(figsize=(3.6 * len(panels), 2.8 * len(impls)))
+    axes = fig.subplots(len(impls), len(panels), squeeze=False)
     heads = sorted({int(r["kv_heads"]) for r in rows})
     for a, impl in enumerate(impls):
         for c, (pattern, n) in enumerate(panels):
@@ -227,19 +217,18 @@ def plot(rows, path):
             ax.set_ylabel("GB/s (read + write)")
     axes[0][0].legend(fontsize=8)
     fig.suptitle(f"KV layouts on {rows[0]['device'] if rows else ''}", fontsize=10)
-    return save_figure(fig, path, close=True)
+    return save_figure(fig, path)
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_output_args(ap, "results/kv_layout.csv", png_next_to_csv=True)
+    ap = kernel_parser(__doc__, "results/kv_layout.csv", png_next_to_csv=True)
     ap.add_argument("--full", action="store_true", help="full sizes even on CPU (slow)")
     ap.add_argument("--n-interleave", type=int, default=8, help="blocks a sequence is interleaved over")
     args = ap.parse_args(argv)
-    full = True if args.full else None
     if not torch.cuda.is_available() and not args.full:
         print("no GPU: running at small CPU size (torch ops only; numbers are CPU numbers)")
-    save_rows(layout_rows(full=full, n_interleave=args.n_interleave), args.out, plot, args.plot or png_next_to(args.out),
+    rows = layout_rows(full=True if args.full else None, n_interleave=args.n_interleave)
+    save_rows(rows, args.out, plot, args.plot or png_next_to(args.out),
               line=lambda r: f"{r['pattern']:6} {r['layout']:11} {r['impl']:12} heads {r['kv_heads']:>2} tok "
                              f"{r['tokens']:>5}: {r['time_s'] * 1e6:9.1f} us  {r['gbps']:7.2f} GB/s")
 

@@ -34,105 +34,77 @@ from .e2e import add_target_args, drafting_tree, serial_truth, target_from_args
 PHASES = ("draft", "verify-attention", "verify-other", "accept", "append", "python-overhead")
 
 
-class _Timer(PhaseTimer):
-    """One-phase view of the decoder's phase timer (CUDA events on a GPU, no sync until `seconds`)."""
-
-    def stop(self, t0):
-        super().stop("attention", t0)
-
-    def seconds(self):
-        return self.result()["attention"]
-
-
 @contextlib.contextmanager
 def timed_attention(num_layers, device):
-    """Inside this block, every generate() call times its decode-step attention calls into the yielded timer
-    (`ops.tree_attention`, or the batch-invariant attention of the engine's exact mode).
+    """Inside this block, every generate() call times its decode-step attention calls into the yielded PhaseTimer,
+    under "attention" (`ops.tree_attention`, or the batch-invariant attention of the engine's exact mode).
 
     Implementation: generate() gets its kernels from `mtp_triton.generate.get_ops`; this swaps in a wrapper whose
-    tree_attention is timed, skipping the first `num_layers` calls of each generate() (the prefill forward).
+    tree_attention is timed, skipping the first `num_layers` calls of each generate() (the prefill forward). In
+    bf16/fp16 on a CPU the engine's exact mode calls `mtp_triton.invariant.attention` directly (decode steps only):
+    that is timed too.
     """
-    gen_mod = importlib.import_module("mtp_triton.generate")
-    real = gen_mod.get_ops
-    timer = _Timer(device)
+    gen_mod, inv_mod = importlib.import_module("mtp_triton.generate"), importlib.import_module("mtp_triton.invariant")
+    real_ops, real_inv = gen_mod.get_ops, inv_mod.attention
+    timer = PhaseTimer(device)
+
+    def timed(fn, skip=0):
+        calls = [0]
+
+        def run(*args, **kw):
+            calls[0] += 1
+            if calls[0] <= skip:                 # prefill
+                return fn(*args, **kw)
+            t0 = timer.start()
+            out = fn(*args, **kw)
+            timer.stop("attention", t0)
+            return out
+        return run
 
     def get_ops(kernels="auto", device="cpu"):
-        ops = real(kernels, device)
-        inner, seen = ops.tree_attention, [0]
+        ops = real_ops(kernels, device)
+        return SimpleNamespace(**dict(vars(ops), tree_attention=timed(ops.tree_attention, skip=num_layers)))
 
-        def tree_attention(*args, **kw):
-            seen[0] += 1
-            if seen[0] <= num_layers:            # prefill
-                return inner(*args, **kw)
-            t0 = timer.start()
-            out = inner(*args, **kw)
-            timer.stop(t0)
-            return out
-        return SimpleNamespace(**dict(vars(ops), tree_attention=tree_attention))
-
-    # bf16/fp16 on CPU: the engine's exact mode calls the batch-invariant attention directly (decode steps only)
-    inv_mod = importlib.import_module("mtp_triton.invariant")
-    real_inv = inv_mod.attention
-
-    def invariant_attention(*args, **kw):
-        t0 = timer.start()
-        out = real_inv(*args, **kw)
-        timer.stop(t0)
-        return out
-
-    gen_mod.get_ops = get_ops
-    inv_mod.attention = invariant_attention
+    gen_mod.get_ops, inv_mod.attention = get_ops, timed(real_inv)
     try:
         yield timer
     finally:
-        gen_mod.get_ops = real
-        inv_mod.attention = real_inv
+        gen_mod.get_ops, inv_mod.attention = real_ops, real_inv
 
 
 def _kw(gen_kw, i):
     return gen_kw(i) if callable(gen_kw) else gen_kw
 
 
-def phase_times(model, prompts, max_new_tokens, gen_kw):
-    """Run generate() once per prompt (batch 1) and split its decode time into PHASES; seconds per step.
-
-    gen_kw: generate() keyword arguments, or a function of the prompt index returning them (a synthetic
-    drafter must be built for the prompt it drafts for).
-    """
-    tot, steps, decode_tokens = defaultdict(float), 0, 0
-    with timed_attention(model.config.num_hidden_layers, model.device) as att:
-        for i, p in enumerate(prompts):
-            s = generate(model, [p], max_new_tokens, **_kw(gen_kw, i)).stats.as_dict()
-            wall = s["total_s"] - s["ttft_s"]
-            tot["draft"] += s["time_draft_s"]
-            tot["verify"] += s["time_verify_s"]
-            tot["accept"] += s["time_accept_s"]
-            tot["append"] += s["time_append_s"]
-            tot["wall"] += wall
-            steps += s["steps"]
-            decode_tokens += s["new_tokens"] - 1
-        attention = att.seconds()
-    per = {"draft": tot["draft"], "verify-attention": attention, "verify-other": tot["verify"] - attention,
-           "accept": tot["accept"], "append": tot["append"]}
-    per["python-overhead"] = tot["wall"] - sum(per.values())
-    return {k: v / max(steps, 1) for k, v in per.items()}, dict(steps=steps, decode_tokens=decode_tokens,
-                                                                 wall_s=tot["wall"])
-
-
 def phase_rows(model, prompts, max_new_tokens, configs, base=None):
-    """configs: list of (name, generate kwargs or a function of the prompt index returning them).
+    """One row per (config, phase): generate() runs once per prompt (batch 1), its decode time split into PHASES;
+    ms per step and the phase's share of the step.
 
-    One row per (config, phase): ms per step and its share of the step."""
+    configs: list of (name, generate() keyword arguments or a function of the prompt index returning them: a
+    synthetic drafter must be built for the prompt it drafts for).
+    """
     rows = []
     for name, kw in configs:
         generate(model, prompts[:1], min(8, max_new_tokens), **_kw(kw, 0))             # warm-up
-        per, info = phase_times(model, prompts, max_new_tokens, kw)
+        tot, steps, decode_tokens = defaultdict(float), 0, 0
+        with timed_attention(model.config.num_hidden_layers, model.device) as att:
+            for i, p in enumerate(prompts):
+                s = generate(model, [p], max_new_tokens, **_kw(kw, i)).stats.as_dict()
+                for phase in ("draft", "verify", "accept", "append"):
+                    tot[phase] += s[f"time_{phase}_s"]
+                tot["wall"] += s["total_s"] - s["ttft_s"]
+                steps += s["steps"]
+                decode_tokens += s["new_tokens"] - 1
+            attention = att.result()["attention"]
+        per = {"draft": tot["draft"], "verify-attention": attention, "verify-other": tot["verify"] - attention,
+               "accept": tot["accept"], "append": tot["append"]}
+        per["python-overhead"] = tot["wall"] - sum(per.values())
+        per = {k: v / max(steps, 1) for k, v in per.items()}                       # seconds per step
         step = sum(per.values())
-        tau = info["decode_tokens"] / max(info["steps"], 1)
         for ph in PHASES:
             rows.append(dict(base or {}, table="phases", config=name, phase=ph, ms_per_step=1e3 * per[ph],
-                             fraction=per[ph] / step if step > 0 else float("nan"), step_ms=1e3 * step, tau=tau,
-                             tokens_per_s=info["decode_tokens"] / info["wall_s"]))
+                             fraction=per[ph] / step if step > 0 else float("nan"), step_ms=1e3 * step,
+                             tau=decode_tokens / max(steps, 1), tokens_per_s=decode_tokens / tot["wall"]))
     return rows
 
 
@@ -162,13 +134,8 @@ def _profile_kernels(fn):
         torch.cuda.synchronize()
     out = {}
     for e in prof.key_averages():
-        if getattr(e, "device_type", None) != DeviceType.CUDA:
-            continue
-        t = getattr(e, "self_device_time_total", None)
-        if t is None:
-            t = getattr(e, "self_cuda_time_total", 0)
-        if t:
-            out[e.key] = (float(t), int(e.count))
+        if e.device_type == DeviceType.CUDA and e.self_device_time_total:
+            out[e.key] = (float(e.self_device_time_total), int(e.count))
     return out
 
 

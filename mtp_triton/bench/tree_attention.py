@@ -22,15 +22,15 @@ T in {1, 16, 64}, batch 1-16, bf16. On CPU the kernel runs in the Triton interpr
 are run and every row says so (`scale` = "cpu-tiny", `interpreter` = True): those times measure the
 interpreter, not the kernel.
 """
-import argparse
+import itertools
 
 import torch
 import torch.nn.functional as F
 
 from .. import reference
 from ..tree import TYPICAL_ACC, Tree
-from .common import (add_output_args, copy_bandwidth, env_info, interpreter_unless_cuda, save_figure,
-                     save_rows, time_fn)
+from .common import (bench_device, copy_bandwidth, env_info, kernel_args, kernel_parser, save_figure, save_rows,
+                     sweep, time_fn)
 
 LAYOUTS = {"llama-7b": (32, 32, 128), "llama3-8b": (32, 8, 128), "tiny": (4, 2, 32)}   # Hq, Hkv, Dh
 GPU_GRID = dict(layouts=("llama-7b", "llama3-8b"), contexts=(1024, 4096, 8192, 32768), tree_sizes=(1, 16, 64),
@@ -39,13 +39,10 @@ CPU_GRID = dict(layouts=("tiny",), contexts=(64, 192), tree_sizes=(1, 16), batch
 PROVIDERS = ("triton", "triton-launch", "sdpa", "sdpa+gather", "reference")
 
 
-def bench_tree(T):
-    """A T-node tree: the root alone for T = 1, else the best (T - 1)-node Medusa-style tree."""
-    return Tree.root_only() if T == 1 else Tree.from_accuracies(TYPICAL_ACC, T - 1)
-
-
 def make_inputs(batch, context, T, Hq, Hkv, Dh, block_size=16, dtype=torch.bfloat16, device="cpu", seed=0):
-    """tree_attention keyword arguments: every sequence holds `context` cached tokens in shuffled blocks."""
+    """tree_attention keyword arguments: every sequence holds `context` cached tokens in shuffled blocks; the tree is
+    the root alone for T = 1, else the best (T - 1)-node Medusa-style tree."""
+    tree = Tree.root_only() if T == 1 else Tree.from_accuracies(TYPICAL_ACC, T - 1)
     g = torch.Generator(device=device).manual_seed(seed)
     blocks_per_seq = (context + T + block_size - 1) // block_size
     NB = batch * blocks_per_seq
@@ -54,7 +51,7 @@ def make_inputs(batch, context, T, Hq, Hkv, Dh, block_size=16, dtype=torch.bfloa
     return dict(q=rnd(batch, T, Hq, Dh), k_cache=rnd(NB, block_size, Hkv, Dh), v_cache=rnd(NB, block_size, Hkv, Dh),
                 block_table=block_table, cache_lens=torch.full((batch,), context, dtype=torch.int32, device=device),
                 k_tree=rnd(batch, T, Hkv, Dh), v_tree=rnd(batch, T, Hkv, Dh),
-                tree_mask=bench_tree(T).mask.to(device))
+                tree_mask=tree.mask.to(device))
 
 
 def kv_bytes(inputs):
@@ -101,50 +98,41 @@ def run(layouts=None, contexts=None, tree_sizes=None, batches=None, providers=PR
     """
     from ..kernels.tree_attention import tree_attention
 
-    on_gpu = torch.cuda.is_available() if device is None else str(device).startswith("cuda")
-    device = device or ("cuda" if on_gpu else "cpu")
-    grid = GPU_GRID if on_gpu else CPU_GRID
-    layouts = layouts or grid["layouts"]
-    contexts = contexts or grid["contexts"]
-    tree_sizes = tree_sizes or grid["tree_sizes"]
-    batches = batches or grid["batches"]
+    device, on_gpu = bench_device(device)
+    g = sweep(GPU_GRID if on_gpu else CPU_GRID, layouts=layouts, contexts=contexts, tree_sizes=tree_sizes,
+              batches=batches)
     dtype = dtype or (torch.bfloat16 if on_gpu else torch.float32)
     copy_bw = copy_bw or copy_bandwidth(device)
     env = env_info(device)
     scale = "gpu-full" if on_gpu else "cpu-tiny"
     rows = []
-    for layout in layouts:
+    for layout, context, T, batch in itertools.product(g["layouts"], g["contexts"], g["tree_sizes"], g["batches"]):
         Hq, Hkv, Dh = LAYOUTS[layout]
-        for context in contexts:
-            for T in tree_sizes:
-                for batch in batches:
-                    inputs = make_inputs(batch, context, T, Hq, Hkv, Dh, block_size, dtype, device)
-                    nbytes = kv_bytes(inputs)
-                    mask = sdpa_mask(inputs)
-                    k, v = gather_cache(inputs)
-                    fns = {
-                        "triton": lambda: tree_attention(**inputs),
-                        "triton-launch": lambda: tree_attention(**inputs, check_values=False),
-                        "sdpa": lambda: sdpa_tree_attention(inputs["q"], k, v, mask),
-                        "sdpa+gather": lambda: sdpa_tree_attention(inputs["q"], *gather_cache(inputs),
-                                                                   sdpa_mask(inputs)),
-                        "reference": lambda: reference.tree_attention(**inputs),
-                    }
-                    expected = sdpa_tree_attention(inputs["q"], k, v, mask).float()
-                    for provider in providers:
-                        seconds = time_fn(fns[provider], device=device)
-                        err = (fns[provider]().float() - expected).abs().max().item()
-                        row = dict(kernel="tree_attention", provider=provider, scale=scale, layout=layout,
-                                   Hq=Hq, Hkv=Hkv, Dh=Dh, batch=batch, context=context, T=T,
-                                   dtype=str(dtype).replace("torch.", ""), block_size=block_size,
-                                   seconds=seconds, kv_bytes=nbytes, gbps=nbytes / seconds / 1e9,
-                                   copy_gbps=copy_bw / 1e9, frac_of_copy=nbytes / seconds / copy_bw,
-                                   max_abs_err_vs_sdpa=err, **env)
-                        rows.append(row)
-                        if progress:
-                            print(f"{layout:10s} ctx {context:6d} T {T:3d} B {batch:3d} {provider:12s} "
-                                  f"{seconds * 1e6:10.1f} us {row['gbps']:8.1f} GB/s "
-                                  f"({100 * row['frac_of_copy']:5.1f} % of copy) err {err:.1e}", flush=True)
+        inputs = make_inputs(batch, context, T, Hq, Hkv, Dh, block_size, dtype, device)
+        nbytes = kv_bytes(inputs)
+        mask = sdpa_mask(inputs)
+        k, v = gather_cache(inputs)
+        fns = {
+            "triton": lambda: tree_attention(**inputs),
+            "triton-launch": lambda: tree_attention(**inputs, check_values=False),
+            "sdpa": lambda: sdpa_tree_attention(inputs["q"], k, v, mask),
+            "sdpa+gather": lambda: sdpa_tree_attention(inputs["q"], *gather_cache(inputs), sdpa_mask(inputs)),
+            "reference": lambda: reference.tree_attention(**inputs),
+        }
+        expected = sdpa_tree_attention(inputs["q"], k, v, mask).float()
+        for provider in providers:
+            seconds = time_fn(fns[provider], device=device)
+            err = (fns[provider]().float() - expected).abs().max().item()
+            row = dict(kernel="tree_attention", provider=provider, scale=scale, layout=layout, Hq=Hq, Hkv=Hkv, Dh=Dh,
+                       batch=batch, context=context, T=T, dtype=str(dtype).replace("torch.", ""),
+                       block_size=block_size, seconds=seconds, kv_bytes=nbytes, gbps=nbytes / seconds / 1e9,
+                       copy_gbps=copy_bw / 1e9, frac_of_copy=nbytes / seconds / copy_bw, max_abs_err_vs_sdpa=err,
+                       **env)
+            rows.append(row)
+            if progress:
+                print(f"{layout:10s} ctx {context:6d} T {T:3d} B {batch:3d} {provider:12s} {seconds * 1e6:10.1f} us "
+                      f"{row['gbps']:8.1f} GB/s ({100 * row['frac_of_copy']:5.1f} % of copy) err {err:.1e}",
+                      flush=True)
     return rows
 
 
@@ -153,17 +141,14 @@ def plot(rows, path=None):
 
     rows: dicts as `run` returns or as read back from the CSV (strings). Returns the matplotlib figure.
     """
-    import matplotlib
-    if path is not None:
-        matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     num = lambda r, k: float(r[k])                                       # noqa: E731
     panels = sorted({(r["layout"], int(num(r, "T"))) for r in rows})
     layouts = sorted({p[0] for p in panels})
     Ts = sorted({p[1] for p in panels})
-    fig, axes = plt.subplots(len(layouts), len(Ts), figsize=(4.2 * len(Ts), 3.2 * len(layouts)), squeeze=False,
-                             sharey=True)
+    fig = Figure(figsize=(4.2 * len(Ts), 3.2 * len(layouts)))
+    axes = fig.subplots(len(layouts), len(Ts), squeeze=False, sharey=True)
     colors = {p: f"C{i}" for i, p in enumerate(PROVIDERS)}
     batches = sorted({int(num(r, "batch")) for r in rows})
     styles = dict(zip(batches, ["-", "--", ":", "-."] * 4))
@@ -197,18 +182,14 @@ def plot(rows, path=None):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_output_args(ap, "results/tree_attention.csv")
+    ap = kernel_parser(__doc__, "results/tree_attention.csv")
     ap.add_argument("--contexts", type=int, nargs="*", help="cached tokens per sequence (default: the grid)")
     ap.add_argument("--tree-sizes", type=int, nargs="*", help="T values (default: the grid)")
     ap.add_argument("--batches", type=int, nargs="*", help="batch sizes (default: the grid)")
     ap.add_argument("--layouts", nargs="*", choices=sorted(LAYOUTS), help="head layouts (default: the grid)")
     ap.add_argument("--providers", nargs="*", choices=PROVIDERS, default=list(PROVIDERS))
-    args = ap.parse_args(argv)
-    interpreter_unless_cuda("mtp_triton.bench.tree_attention", argv)
-    if not torch.cuda.is_available():
-        print("No CUDA GPU: running tiny sizes in the Triton interpreter (times measure the interpreter, "
-              "not the kernel).")
+    args = kernel_args(ap, argv, "mtp_triton.bench.tree_attention", "No CUDA GPU: running tiny sizes in the Triton "
+                       "interpreter (times measure the interpreter, not the kernel).")
     rows = run(args.layouts, args.contexts, args.tree_sizes, args.batches, tuple(args.providers), progress=True)
     save_rows(rows, args.out, plot, args.plot)
 
