@@ -91,13 +91,9 @@ def describe_mismatch(tok, where, serial, mtp, prompt=()):
 # ---- rows -> aggregates ---------------------------------------------------------------------------------------
 def num(x):
     """Number from a row value (rows read back from CSV hold strings); None for a blank."""
-    if x is None or x == "" or x == "None":
+    if x is None or x in ("", "None"):
         return None
-    if isinstance(x, (bool, int, float)):
-        return float(x)
-    if x in ("True", "False"):
-        return float(x == "True")
-    return float(x)
+    return float(x == "True") if x in ("True", "False") else float(x)
 
 
 def section_rows(rows, section, **match):
@@ -153,6 +149,19 @@ def ab_table(rows, by="scenario"):
     return out
 
 
+def sweep_groups(rows):
+    """[(tree, its first row, aggregate, speedup)] for the sweep rows grouped by tree, in their order (serial first);
+    speedup = decode tokens/s over serial's on the same prompts."""
+    sw = section_rows(rows, "sweep")
+    base = aggregate([r for r in sw if r["sweep_tree"] == "serial"])
+    out = []
+    for name in dict.fromkeys(r["sweep_tree"] for r in sw):
+        sel = [r for r in sw if r["sweep_tree"] == name]
+        a = aggregate(sel)
+        out.append((name, sel[0], a, a["decode_tokens_per_s"] / base["decode_tokens_per_s"]))
+    return out
+
+
 # ---- the T > 0 gate -------------------------------------------------------------------------------------------
 def sampled_quality(rows, scenario):
     """T > 0: paired on-minus-off differences per item of mean log-prob, distinct ratio and length."""
@@ -161,7 +170,7 @@ def sampled_quality(rows, scenario):
     on = {r["item"]: r for r in ab if r["mode"] == "on"}
     items = [i for i in off if i in on]
     out = []
-    for metric in ("mean_logprob", "distinct_ratio", "new_tokens"):
+    for metric in FLOOR:
         a = [num(on[i][metric]) for i in items]
         b = [num(off[i][metric]) for i in items]
         d = [x - y for x, y in zip(a, b)]

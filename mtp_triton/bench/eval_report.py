@@ -1,8 +1,11 @@
-"""The evaluation report: markdown tables computed from the rows (as the harness made them or read back from
-eval.csv), with the hardware, versions and command that produced them."""
+"""The evaluation's outputs, computed from the rows (as the harness made them or read back from eval.csv): report.md,
+markdown tables with the hardware, versions and command that produced them, and its plots: latency CDFs, speedup per
+scenario and output length, acceptance per depth, the parameter sweep and the long run."""
+import os
+
 from .. import records
-from .common import write_text
-from .eval_metrics import ALPHA, FLOOR, MIN_ITEMS, ab_table, aggregate, num, section_rows
+from .common import save_figure
+from .eval_metrics import ALPHA, FLOOR, MIN_ITEMS, ab_table, num, section_rows, sweep_groups
 
 
 def fmt(x, nd=2):
@@ -59,17 +62,10 @@ def performance_tables(rows):
 
 
 def sweep_table(rows):
-    sw = section_rows(rows, "sweep")
-    base = aggregate([r for r in sw if r["sweep_tree"] == "serial"])
-    body = []
-    for name in dict.fromkeys(r["sweep_tree"] for r in sw):
-        sel = [r for r in sw if r["sweep_tree"] == name]
-        a = aggregate(sel)
-        acc = a["accept_per_depth"]
-        body.append((name, int(num(sel[0]["sweep_size"])), int(num(sel[0]["sweep_depth"])), int(num(sel[0]["sweep_top_k"])),
-                     a["tokens_per_step"], f"{acc[0]:.0%}" if acc else "", f"{acc[-1]:.0%}" if acc else "",
-                     a["decode_tokens_per_s"], a["decode_tokens_per_s"] / base["decode_tokens_per_s"],
-                     a["verify_ms_step"]))
+    body = [(name, int(num(r0["sweep_size"])), int(num(r0["sweep_depth"])), int(num(r0["sweep_top_k"])),
+             a["tokens_per_step"], f"{a['accept_per_depth'][0]:.0%}" if a["accept_per_depth"] else "",
+             f"{a['accept_per_depth'][-1]:.0%}" if a["accept_per_depth"] else "", a["decode_tokens_per_s"], sp,
+             a["verify_ms_step"]) for name, r0, a, sp in sweep_groups(rows)]
     return md_table(["tree", "nodes", "depth", "top-k", "tau", "acc d1", "acc deepest", "tok/s", "speedup",
                      "verify ms/step"], body)
 
@@ -100,13 +96,13 @@ def write_report(result, path, command=""):
          f"- resumed (--resume): {info['kept_rows']} rows kept from earlier runs of this configuration"
          if info.get("kept_rows") else "", "",
          "## Verdict", ""]
-    sections = {"quality": "quality gate", "edge": "edge inputs", "long-run": "long-run stability", "compat": "compatibility"}
-    ab = section_rows(rows, "ab")
-    ran = {"quality": bool(ab), "edge": bool(section_rows(rows, "edge")), "long-run": bool(section_rows(rows, "long_summary")),
-           "compat": bool(section_rows(rows, "compat"))}
-    for key, name in sections.items():
+    sec = {s: section_rows(rows, s) for s in ("ab", "quality", "sweep", "long_summary", "edge", "compat")}
+    ab = sec["ab"]
+    verdicts = (("quality", "quality gate", ab), ("edge", "edge inputs", sec["edge"]),
+                ("long-run", "long-run stability", sec["long_summary"]), ("compat", "compatibility", sec["compat"]))
+    for key, name, ran in verdicts:
         n = sum(f.startswith(f"[{key}]") for f in fails)
-        L.append(f"- {name}: " + ("not run" if not ran[key] else "**PASS**" if n == 0 else f"**FAIL** ({n} problems)"))
+        L.append(f"- {name}: " + ("not run" if not ran else "**PASS**" if n == 0 else f"**FAIL** ({n} problems)"))
     if fails:
         L += ["", "Problems:", "", "```", *fails, "```"]
     L += ["", "## 1. Functional completeness", ""]
@@ -115,7 +111,7 @@ def write_report(result, path, command=""):
         ("MTP off runs the serial path (1 node per step, tau = 1)",
          bool(off) and all(num(r["tree_size"]) == 1 and abs(num(r["tokens_per_step"]) - 1) < 1e-9 for r in off)),
         ("draft length / candidate count configurable", f"--tree (this run: {info['tree']}); sweep covers "
-         f"{len(set(r['sweep_tree'] for r in section_rows(rows, 'sweep')))} trees" if section_rows(rows, "sweep") else "--tree, --sweep"),
+         f"{len(set(r['sweep_tree'] for r in sec['sweep']))} trees" if sec["sweep"] else "--tree, --sweep"),
         ("fallback to serial", "RuntimeConfig.fallback_threshold (--fallback); fallbacks this run: "
          f"{int(sum(num(r['fallback_count']) for r in ab))}"),
         ("statistics exposed", "acceptance per depth, accept-length histogram, phase times, TTFT, ITL percentiles"),
@@ -137,7 +133,7 @@ def write_report(result, path, command=""):
                  f"check sharper.\n")
         body = [(r["scenario"], r["metric"], r["n"], num(r["off"]), num(r["on"]), num(r["diff"]), num(r["tolerance"]),
                  f"n/a (< {MIN_ITEMS} items)" if r["ok"] in (None, "", "None") else bool(num(r["ok"])))
-                for r in section_rows(rows, "quality")]
+                for r in sec["quality"]]
         L.append(md_table(["scenario", "summary", "n", "off", "on", "diff", "tolerance", "within"], body))
     if ab:
         L += ["", f"## 3. Performance ({'CPU' if info['cpu'] else info['device']}, batch 1)", "",
@@ -153,14 +149,13 @@ def write_report(result, path, command=""):
                  f"MTP adds the heads ({info['heads_bytes'] / 2**20:.2f} MiB) and tree slack in the KV cache.\n")
         L.append(md_table(["scenario", "peak MiB off", "peak MiB on", "KV cache MiB off", "KV cache MiB on",
                            "energy J off", "energy J on"], body))
-    if section_rows(rows, "sweep"):
+    if sec["sweep"]:
         L += ["", "## 5. Parameter sensitivity", "",
               "Same prompts, one per scenario set, MTP on with each tree; speedup against serial on the same prompts. "
               "chain-n = depth n, one candidate per head; medusa-N = N-node trees; width-k = k candidates per head.", "",
               sweep_table(rows)]
-    s = section_rows(rows, "long_summary")
-    if s:
-        s = s[0]
+    if sec["long_summary"]:
+        s = sec["long_summary"][0]
         L += ["", "## 6. Long-run stability", "", md_table(["metric", "value"], [
             ("requests / tokens", f"{s['requests']} / {int(num(s['tokens']))}"),
             ("errors / timeouts", f"{s['errors']} / {s['timeouts']}"),
@@ -172,14 +167,100 @@ def write_report(result, path, command=""):
             ("memory growth (MiB; limit)", f"{mib(num(s['memory_growth_bytes'])):+.2f} (limit "
                                            f"{mib(num(s['memory_growth_limit'])):.0f})"),
         ])]
-    if section_rows(rows, "edge"):
+    if sec["edge"]:
         L += ["", "## 7. Bad and edge inputs (temperature 0)", "",
               md_table(["case", "expected", "outcome", "ok", "detail"],
                        [(r["case"], r["expect"], r["outcome"],
                          "skipped" if r["expect"] == "skipped" else bool(num(r["ok"])),
-                         str(r["detail"]).replace("\n", " ")[:120]) for r in section_rows(rows, "edge")])]
-    if section_rows(rows, "compat"):
-        L += ["", "## 8. Compatibility", "", md_table(["case", "identical"], [(r["case"], bool(num(r["ok"])))
-                                                                            for r in section_rows(rows, "compat")])]
+                         str(r["detail"]).replace("\n", " ")[:120]) for r in sec["edge"]])]
+    if sec["compat"]:
+        L += ["", "## 8. Compatibility", "", md_table(["case", "identical"],
+                                                     [(r["case"], bool(num(r["ok"]))) for r in sec["compat"]])]
     L += ["", "## Plots", ""] + [f"![{p}]({p})" for p in result.info.get("plots", [])]
-    return write_text(path, "\n".join(L) + "\n")
+    return records.write_text(path, "\n".join(L) + "\n")
+
+
+def plot_all(rows, out, label=""):
+    """PNG plots from the rows; returns the file names written."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    written = []
+
+    def save(fig, name):
+        save_figure(fig, os.path.join(out, name), close=True)
+        written.append(name)
+
+    ab = section_rows(rows, "ab")
+    if ab:
+        fig, ax = plt.subplots(1, 2, figsize=(9, 3.2))
+        for mode, color in (("off", "grey"), ("on", "tab:blue")):
+            sel = [r for r in ab if r["mode"] == mode]
+            per_tok = sorted(1e3 * (num(r["e2e_s"]) - num(r["ttft_s"])) / max(num(r["new_tokens"]) - 1, 1) for r in sel)
+            e2e = sorted(1e3 * num(r["e2e_s"]) for r in sel)
+            for a, xs in ((ax[0], per_tok), (ax[1], e2e)):
+                a.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", color=color,
+                       label="MTP " + mode)
+        ax[0].set_xlabel("decode ms / token (per request)")
+        ax[1].set_xlabel("end-to-end latency, ms (per request)")
+        ax[1].set_xscale("log")
+        for a in ax:
+            a.set_ylabel("fraction of requests")
+            a.legend(fontsize=8)
+        ax[0].set_title(f"latency CDF {label}", fontsize=9)
+        save(fig, "latency_cdf.png")
+
+        fig, ax = plt.subplots(1, 2, figsize=(9, 3.2), gridspec_kw={"width_ratios": [3, 2]})
+        for a, by in ((ax[0], "scenario"), (ax[1], "length")):
+            t = ab_table(rows, by)
+            a.bar(range(len(t)), [sp for *_, sp in t], color=["tab:blue"] * (len(t) - 1) + ["tab:orange"])
+            a.set_xticks(range(len(t)))
+            a.set_xticklabels([k.replace("_", "\n") for k, *_ in t], fontsize=7)
+            a.axhline(1.0, color="k", lw=0.8)
+            a.set_ylabel("decode tok/s, on / off")
+        ax[0].set_title(f"speedup per scenario {label}", fontsize=9)
+        ax[1].set_title("by output length", fontsize=9)
+        save(fig, "speedup.png")
+
+        fig, ax = plt.subplots(figsize=(5, 3.2))
+        for k, _, on, _ in ab_table(rows, "scenario"):
+            acc = on["accept_per_depth"]
+            ax.plot(range(1, len(acc) + 1), acc, marker="o", label=k, lw=2.5 if k == "all" else 1)
+        ax.set_xlabel("depth")
+        ax.set_ylabel("acceptance rate")
+        ax.set_ylim(0, 1)
+        ax.legend(fontsize=7)
+        ax.set_title(f"acceptance per depth {label}", fontsize=9)
+        save(fig, "acceptance.png")
+
+    sweep = sweep_groups(rows)
+    if sweep:
+        fig, ax = plt.subplots(1, 2, figsize=(9, 3.2))
+        for name, r0, a, speedup in (g for g in sweep if g[0] != "serial"):
+            size = num(r0["sweep_size"])
+            style = {"chain": ("o", "tab:blue"), "medusa": ("s", "tab:green"), "width": ("^", "tab:red")}.get(
+                name.split("-")[0], ("*", "tab:orange"))
+            for axis, y in ((ax[0], a["tokens_per_step"]), (ax[1], speedup)):
+                axis.scatter([size], [y], marker=style[0], color=style[1])
+                axis.annotate(name, (size, y), fontsize=6, xytext=(2, 2), textcoords="offset points")
+        ax[0].set_ylabel("tau (tokens / step)")
+        ax[1].set_ylabel("speedup vs serial")
+        ax[1].axhline(1.0, color="k", lw=0.8)
+        for axis in ax:
+            axis.set_xscale("log", base=2)
+            axis.set_xlabel("tree nodes (root included)")
+        ax[0].set_title(f"sensitivity: chain (o), medusa (s), width (^), tuned (*) {label}", fontsize=8)
+        save(fig, "sensitivity.png")
+
+    lr = [r for r in section_rows(rows, "long_run") if not r["error"]]
+    if lr:
+        fig, ax = plt.subplots(1, 2, figsize=(9, 3.0))
+        ax[0].plot([num(r["new_tokens"]) / num(r["request_s"]) for r in lr], lw=0.8)
+        ax[0].set_xlabel("request")
+        ax[0].set_ylabel("tokens/s")
+        ax[1].plot([mib(num(r["memory_bytes"])) for r in lr], lw=0.8)
+        ax[1].set_xlabel("request")
+        ax[1].set_ylabel("memory in use, MiB")
+        ax[0].set_title(f"long run {label}", fontsize=9)
+        save(fig, "long_run.png")
+    return written

@@ -43,7 +43,7 @@ the same configuration (weights, tree, temperature, top-p, seed, kernels, caps) 
 numbers are CPU numbers and are labelled so.
 
 The pieces: scenarios.py (the sets, prompt ids), eval_harness.py (the sections), eval_metrics.py (numbers from
-rows), eval_report.py, eval_plots.py.
+rows), eval_report.py (report.md and the plots).
 """
 import argparse
 import contextlib
@@ -55,32 +55,24 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..bundle import (DEFAULT_DRAFTER, DRAFTERS, EMBEDDED, ROOT, SMOLLM2, cli_drafter, heads_dir_for, load_bundle,
-                      pick_tree)
-from ..cli import error, run
+from ..bundle import DEFAULT_DRAFTER, DRAFTERS, ROOT, SMOLLM2, cli_drafter, heads_dir_for, load_bundle, pick_tree
+from ..cli import error, int_at_least, run
 from ..generate import RuntimeConfig, generate
 from ..loading import SHORT_NAMES
 from ..ops import KINDS
+from ..records import append_rows, ensure_writable_dir, output_lock, resume_rows
 from ..sampling import check_temperature
-from .common import append_rows, ensure_writable_dir, int_at_least, output_lock, resume_rows
-from .eval_harness import Harness, row_key, sweep_tree_names
-from .scenarios import (CHAT_SCENARIO_DIR, CHAT_SCENARIOS, SCENARIO_DIR, SCENARIOS, default_scenario_dir, encode,
+# The names below that this module does not use are here for `from mtp_triton.bench import evaluate as ev`
+# (tests and notebooks).
+from .eval_harness import Harness, sweep_tree_names  # noqa: F401
+from .scenarios import (CHAT_SCENARIO_DIR, CHAT_SCENARIOS, SCENARIO_DIR, SCENARIOS, default_scenario_dir,  # noqa: F401
                         has_chat_template, load_scenarios, prompt_ids)
-from .eval_metrics import (ALPHA, FLOOR, MEM_GROWTH_LIMIT, MIN_ITEMS, ab_table, aggregate, describe_mismatch,
-                           first_difference, long_run_summary, mean_logprob, request_metrics, sampled_quality,
+from .eval_metrics import (ALPHA, FLOOR, MEM_GROWTH_LIMIT, MIN_ITEMS, ab_table, aggregate,  # noqa: F401
+                           describe_mismatch, first_difference, long_run_summary, mean_logprob, sampled_quality,
                            t_critical)
-from .eval_plots import plot_all
-from .eval_report import md_table, performance_tables, sweep_table, write_report
+from .eval_report import md_table, performance_tables, plot_all, sweep_table, write_report  # noqa: F401
 
 DEFAULT_PROMPTS = 3                       # items per set without --full: short, medium, long (the files' order)
-
-# Kept importable from here (tests and notebooks use `from mtp_triton.bench import evaluate as ev`).
-__all__ = ["ALPHA", "CHAT_SCENARIOS", "CHAT_SCENARIO_DIR", "EMBEDDED", "FLOOR", "MEM_GROWTH_LIMIT", "MIN_ITEMS",
-           "SCENARIOS", "SCENARIO_DIR", "EvalConfig", "EvalResult", "Harness", "ab_table", "aggregate",
-           "default_scenario_dir", "describe_mismatch", "encode", "evaluate", "first_difference",
-           "load_scenarios", "long_run_summary", "main", "md_table", "mean_logprob", "performance_tables", "plan_line",
-           "plot_all", "prompt_ids", "request_metrics", "row_key", "sampled_quality", "sweep_table", "sweep_tree_names",
-           "t_critical", "write_outputs", "write_report"]
 
 
 @dataclass
@@ -146,18 +138,12 @@ def evaluate(model, heads, tok, cfg=None, heads_dir=None, csv_path=None, command
     """Run every requested section; returns EvalResult(rows, failures, info). Rows carry env_info().
 
     cfg.scenario_dir None: the chat set when `tok` has a chat template, else the code set. label: the model's name
-    for the report (e.g. the --model argument).
-
-    csv_path: append the rows of each request to this CSV as soon as it finishes (with `command`), so an
-    interrupted run keeps them. resume: requests whose rows csv_path already holds (same configuration, same
-    device: `row_key`) are not run again; their rows and the failures they record are part of the result. Torn rows
-    (a run killed mid-row) are left out, and said so on stderr: their requests run again."""
+    for the report (e.g. the --model argument). csv_path: the rows of each request are appended to it (with
+    `command`) as soon as it finishes. resume: requests whose rows csv_path already holds are reused, not run (see
+    eval_harness); torn rows (a run killed mid-row) are left out, and said so on stderr: their requests run again."""
     cfg = cfg or EvalConfig()
     kept = resume_rows(csv_path, log=lambda line: print(line, file=sys.stderr)) if resume and csv_path else []
-    sink = None
-    if csv_path:
-        def sink(rows):
-            append_rows(csv_path, [dict(r, command=command) for r in rows])
+    sink = (lambda rows: append_rows(csv_path, [dict(r, command=command) for r in rows])) if csv_path else None
     h = Harness(model, heads, tok, cfg, heads_dir, sink=sink, kept=kept)
     cfg = h.cfg                                               # with the scenario folder resolved
     scenarios = load_scenarios(cfg.scenarios, cfg.max_prompts, cfg.scenario_dir)
@@ -176,7 +162,7 @@ def evaluate(model, heads, tok, cfg=None, heads_dir=None, csv_path=None, command
                 heads_bytes=sum(p.numel() * p.element_size() for p in heads.parameters()),
                 model_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
                 context=h.ctx, temperature=cfg.temperature, top_p=cfg.top_p, kernels=cfg.kernels,
-                cpu=model.device.type != "cuda", run_id=h.base["run_id"], kept_rows=h.kept_rows, model_name=label,
+                cpu=model.device.type != "cuda", run_id=h.base["run_id"], kept_rows=h.kept.used, model_name=label,
                 scenario_dir=os.path.relpath(cfg.scenario_dir, ROOT), scenarios=list(scenarios),
                 chat_template=any("messages" in it for its in scenarios.values() for it in its))
     return EvalResult(h.rows, h.failures, info, csv_path=csv_path)
@@ -229,15 +215,16 @@ def build_parser():
     ap.add_argument("--sweep", action="store_true", help="parameter sensitivity: tree depth, size and width")
     ap.add_argument("--long-run", type=int_at_least(0), default=0, metavar="N",
                     help="long-run stability over N generated tokens")
-    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per request before it counts as a timeout")
+    ap.add_argument("--timeout", dest="timeout_s", metavar="TIMEOUT", type=float, default=300.0,
+                    help="seconds per request before it counts as a timeout")
     ap.add_argument("--fallback", type=float, default=None, help="RuntimeConfig.fallback_threshold (off by default)")
     ap.add_argument("--prune-below", type=float, default=None, metavar="P",
                     help="RuntimeConfig.prune_below: confidence pruning of the tree (off by default)")
-    ap.add_argument("--no-edge", action="store_true", help="skip the bad / edge input section")
-    ap.add_argument("--edge-full-context", action="store_true", help="run the 'context at the limit' edge case on a "
-                    "CPU even for a context over 2048 tokens (a prefill of the whole context)")
+    ap.add_argument("--no-edge", dest="edge", action="store_false", help="skip the bad / edge input section")
+    ap.add_argument("--edge-full-context", action="store_const", const=True, help="run the 'context at the limit' "
+                    "edge case on a CPU even for a context over 2048 tokens (a prefill of the whole context)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (CI): 2 items per set, <= 16 new tokens")
-    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--no-progress", dest="progress", action="store_false")
     return ap
 
 
@@ -263,9 +250,8 @@ def plan_line(model, tok, cfg, calibrate_tokens=16):
 
 def _model_missing(model):
     """A message when `model` is neither a short name, a .gguf file nor a checkpoint folder, else None."""
-    if model.lower() in SHORT_NAMES or (os.path.isfile(model) and model.endswith(".gguf")):
-        return None
-    if not os.path.exists(os.path.join(model, "config.json")):
+    known = model.lower() in SHORT_NAMES or (os.path.isfile(model) and model.endswith(".gguf"))
+    if not known and not os.path.exists(os.path.join(model, "config.json")):
         return (f"no model at {model!r} (config.json missing). Pass --model <checkpoint folder>, a .gguf file or a "
                 f"short name ({', '.join(SHORT_NAMES)}).")
     return None
@@ -273,13 +259,12 @@ def _model_missing(model):
 
 def _check_names(names, folder):
     """Set names that exist in `folder`, or (folder None: not known before the tokenizer) in either shipped set."""
+    unknown = [n for n in names or () if n not in SCENARIOS + CHAT_SCENARIOS]
     if folder is not None:
         load_scenarios(names, 1, folder)
-        return
-    for n in names or ():
-        if n not in SCENARIOS + CHAT_SCENARIOS:
-            raise ValueError(f"unknown scenario set {n!r}; known: chat set {list(CHAT_SCENARIOS)}, code set "
-                             f"{list(SCENARIOS)}")
+    elif unknown:
+        raise ValueError(f"unknown scenario set {unknown[0]!r}; known: chat set {list(CHAT_SCENARIOS)}, code set "
+                         f"{list(SCENARIOS)}")
 
 
 def main(argv=None):
@@ -307,16 +292,12 @@ def _main(a, argv):
         recipe = "mtp" if a.drafter == "mtp" else "distill"
         return error(f"no {'MTP module' if a.drafter == 'mtp' else 'MTP heads'} at {heads_dir!r}. Train one (python -m "
                      f"mtp_triton train_heads {recipe} ... for a chat model) or pass --heads <folder>.")
-    kw = dict(tree=a.tree, temperature=a.temperature, top_p=a.top_p, seed=a.seed, kernels=a.kernels,
-              scenarios=tuple(a.scenarios) if a.scenarios else None, scenario_dir=a.scenario_dir, sweep=a.sweep,
-              long_run=a.long_run, timeout_s=a.timeout, fallback=a.fallback, prune_below=a.prune_below,
-              edge=not a.no_edge,
-              edge_full_context=True if a.edge_full_context else None, progress=not a.no_progress)
     if a.full and a.max_prompts is not None:
         return error("--full runs every item; --max-prompts limits them: pass one of the two")
     if not (a.full or a.quick or a.max_prompts):
         a.max_prompts = DEFAULT_PROMPTS
-    kw.update({k: v for k, v in (("max_prompts", a.max_prompts), ("max_new_cap", a.max_new_cap)) if v is not None})
+    fields = {f.name for f in dataclasses.fields(EvalConfig)}          # the options named as the config's fields
+    kw = {k: v for k, v in vars(a).items() if k in fields and v is not None}   # None: the default (or --quick's)
     try:
         cfg = EvalConfig.quick(**kw) if a.quick else EvalConfig(**kw)
         _check_names(cfg.scenarios, cfg.scenario_dir)        # typos fail now, not after loading the model

@@ -78,8 +78,3 @@ def fit(ids, max_new, ctx, prompt_cap=None):
     max_new = max(1, min(max_new, ctx - 32))
     keep = ctx - max_new if prompt_cap is None else min(prompt_cap, ctx - max_new)
     return ids[-keep:], max_new, len(ids) > keep
-
-
-def encode(tok, text, max_new, ctx, prompt_cap=None):
-    """Raw-text prompt ids cut from the left to fit (see `fit`): (ids, max_new, truncated)."""
-    return fit(tok(text)["input_ids"], max_new, ctx, prompt_cap)
