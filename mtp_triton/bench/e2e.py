@@ -9,8 +9,7 @@ first token), summed over the prompts; warm-up runs are not timed. Hugging Face 
 generate(max_new_tokens=N) minus generate(max_new_tokens=1) on the same prompt, so both sides exclude prefill.
 
 Targets (`load_target`):
-  embedded  data/tiny-stdlib-llama with its trained heads; until that checkpoint exists, a tiny random stand-in
-            with random heads (labelled as such: its acceptance is ~0, so MTP can only lose).
+  embedded  data/tiny-stdlib-llama with its trained heads (or another checkpoint folder with heads/).
   smollm2   SmolLM2-135M-Instruct (the pip-packaged GGUF, bf16 on a CPU: the engine's exact mode) with its trained
             heads (data/smollm2-135m-instruct-heads), on held-out chat prompts in the chat template, batch 1.
   llama7b   Llama-2-7B's shape (32 layers, D 4096, V 32000) with random weights in bf16 — GPU only; on CPU
@@ -22,11 +21,10 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from ..heads import init_heads
 from ..loading import packaged_file
 from ..drafters import OracleDrafter
 from ..ops import KINDS, get_ops
@@ -34,7 +32,7 @@ from ..model import LlamaEngine, ModelConfig
 from ..mtp_module import MTPModule, is_module_folder
 from ..stats import gpu_energy_j  # noqa: F401  (kept importable as e2e.gpu_energy_j)
 from ..tree import get_tree
-from ..bundle import (CHAT_PROMPTS, EMBEDDED, PROMPTS, ROOT, SMOLLM2, encode, heads_dir_for, load_bundle, load_embedded,
+from ..bundle import (CHAT_PROMPTS, EMBEDDED, PROMPTS, SMOLLM2, encode, heads_dir_for, load_bundle, load_embedded,
                       pick_prompts, pick_tree, read_accuracy, read_prompts)
 from .common import ensure_writable_dir, env_info, int_at_least, save_rows
 from .ab import SERIAL, Config, resolved, run_prompts, summarise, warm_up
@@ -48,10 +46,6 @@ LLAMA7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_
 LLAMA7B_TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=4, head_dim=16, rms_norm_eps=1e-5,
                     max_position_embeddings=1024)
-# Stand-in for the embedded model until data/tiny-stdlib-llama has weights (vocab of its tokenizer).
-EMBEDDED_STANDIN = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
-                        max_position_embeddings=2048)
 
 # Per-depth acceptance profiles for the synthetic drafter: the probability that depth d's top-1 draft is right
 # given its parent was (constant over depth here). consumer80: the "about 80 % draft acceptance" that an evaluation
@@ -102,9 +96,7 @@ class Target:
     heads: object = None        # MTPHeads, or None when drafts are synthetic
     heads_dir: str = None
     eos_token_id: object = None
-    random_weights: bool = False
     module: object = None       # an MTP module (mtp_module.MTPModule) for the same model, when one is shipped
-    info: dict = field(default_factory=dict)
 
     @property
     def prompt_len(self):
@@ -155,20 +147,14 @@ def load_target(suite, model_path=EMBEDDED, device=None, quick=False, num_prompt
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     gpu = device.type == "cuda"
     if suite == "embedded":
+        if not has_embedded(model_path):
+            raise RuntimeError(f"embedded: no checkpoint with trained heads at {model_path} (config.json, "
+                               "*.safetensors and heads/heads.safetensors)")
         n, plen = num_prompts or (1 if quick else 4), prompt_len or (24 if quick else 128)
-        if has_embedded(model_path):
-            model, heads, tok = load_embedded(model_path, device=device)
-            return Target("embedded", model, _code_prompts(tok, n, plen),
-                          f"{os.path.basename(os.path.normpath(model_path))} (trained heads)", heads=heads,
-                          heads_dir=os.path.join(model_path, "heads"), eos_token_id=tok.eos_token_id)
-        model = random_engine(EMBEDDED_STANDIN, device, torch.float32, seed)
-        try:
-            from transformers import AutoTokenizer
-            prompts = _code_prompts(AutoTokenizer.from_pretrained(EMBEDDED), n, plen)
-        except Exception:
-            prompts = _random_prompts(model.config.vocab_size, n, plen, seed)
-        return Target("embedded", model, prompts, "tiny random stand-in (embedded model not found; random heads)",
-                      heads=init_heads(model, 4, seed=seed), random_weights=True)
+        model, heads, tok = load_embedded(model_path, device=device)
+        return Target("embedded", model, _code_prompts(tok, n, plen),
+                      f"{os.path.basename(os.path.normpath(model_path))} (trained heads)", heads=heads,
+                      heads_dir=os.path.join(model_path, "heads"), eos_token_id=tok.eos_token_id)
     if suite == "smollm2":
         return _smollm2_target(device, num_prompts or (1 if quick else 3), heads_dir)
     if suite == "llama7b":
@@ -180,8 +166,7 @@ def load_target(suite, model_path=EMBEDDED, device=None, quick=False, num_prompt
         n, plen = num_prompts or (1 if quick else 2), prompt_len or (16 if quick else 128)
         model = random_engine(shape, device, dtype, seed)
         name = "Llama-7B shape, random weights" if shape is LLAMA7B else "Llama-7B proportions, TINY (CPU path check)"
-        return Target("llama7b", model, _random_prompts(model.config.vocab_size, n, plen, seed), name,
-                      random_weights=True)
+        return Target("llama7b", model, _random_prompts(model.config.vocab_size, n, plen, seed), name)
     raise ValueError(f"unknown suite {suite!r} (embedded | smollm2 | llama7b)")
 
 
@@ -213,8 +198,7 @@ def _smollm2_target(device, n, heads_dir=None):
     dtype, where = str(model.dtype).replace("torch.", ""), os.path.basename(os.path.normpath(hd))
     return Target("smollm2", model, [encode(tok, r["text"]) for r in rows],
                   f"SmolLM2-135M-Instruct (GGUF Q4_1 dequantised to {dtype}; heads {where})",
-                  heads=heads, heads_dir=hd, eos_token_id=tok.eos_token_id, module=module,
-                  info=dict(prompt_ids=[r["id"] for r in rows], prompt_file=os.path.relpath(CHAT_PROMPTS, ROOT)))
+                  heads=heads, heads_dir=hd, eos_token_id=tok.eos_token_id, module=module)
 
 
 # ---- drafting sources -------------------------------------------------------------------------------------
@@ -249,8 +233,7 @@ class Drafting:
 
 def heads_drafting(target):
     acc = read_accuracy(target.heads_dir, target.heads.num_heads)[0] if target.heads_dir else None
-    return Drafting("heads" + (" (random)" if target.random_weights else ""), target.heads.num_heads,
-                    heads=target.heads, acc=acc)
+    return Drafting("heads", target.heads.num_heads, heads=target.heads, acc=acc)
 
 
 def module_drafting(target):
@@ -293,9 +276,11 @@ def mtp_config(name, model, drafting, tree, truth=None, **kw):
 
 
 def measure(target, configs, max_new_tokens, *, batch=1, hf=None, reference=SERIAL):
-    """The configurations interleaved on every group of `batch` prompts, after one warm-up of each (`ab.warm_up`).
+    """The configurations, and the transformers PEERS when there is a twin `hf` and batch is 1, interleaved on every
+    group of `batch` prompts, after one warm-up of each (`ab.warm_up`).
     -> ({config: `ab.summarise` entry}, {config: tokens of every prompt})."""
     prompts, eos = target.prompts, target.eos_token_id
+    configs = configs + (list(PEERS) if hf is not None and batch == 1 else [])
     warm_up(target.model, prompts[:batch], resolved(configs, 0, min(batch, len(prompts))), hf=hf, eos=eos,
             max_new=min(16, max_new_tokens))
     rows, tokens = run_prompts(target.model, prompts, max_new_tokens, configs, batch=batch, hf=hf, eos=eos,
@@ -316,14 +301,12 @@ def summary_row(base, s, **extra):
 
 
 def peer_rows(base, table):
-    """The transformers rows (PEERS) of a `measure` table: greedy and prompt-lookup generate vs our serial engine."""
-    rows = []
-    for cfg in PEERS:
-        s = table[cfg.name]
-        rows.append(summary_row(dict(base, provider=cfg.name, batch=1, config=PEER_CONFIG[cfg.name]), s,
-                                note=f"{cfg.name} vs our serial engine (batch 1): {s['identical']}/{s['prompts']} "
-                                     "sequences token-identical; speedup_vs_serial = its tok/s / ours"))
-    return rows
+    """The transformers rows (PEERS) of a `measure` table, if it has them: greedy and prompt-lookup generate vs our
+    serial engine."""
+    return [summary_row(dict(base, provider=cfg.name, batch=1, config=PEER_CONFIG[cfg.name]), s,
+                        note=f"{cfg.name} vs our serial engine (batch 1): {s['identical']}/{s['prompts']} "
+                             "sequences token-identical; speedup_vs_serial = its tok/s / ours")
+            for cfg in PEERS if (s := table.get(cfg.name))]
 
 
 # ---- the A/B ----------------------------------------------------------------------------------------------
@@ -347,15 +330,13 @@ def ab_rows(target, drafting, max_new_tokens, batches=(1,), tree=None, kernels="
             # graph (the Triton kernels' only: the twins plan each step on the host)
             configs += [Config("ours-serial-graph", dict(kw, mtp=False, cuda_graph=True)),
                         mtp_config("ours-mtp-graph", model, drafting, tree, truth, cuda_graph=True, **kw)]
-        peers = list(PEERS) if twin is not None and batch == 1 else []
-        table, _ = measure(target, configs + peers, max_new_tokens, batch=batch, hf=twin)
+        table, _ = measure(target, configs, max_new_tokens, batch=batch, hf=twin)
         for cfg in configs:
             provider = "ours-serial" if cfg.name == SERIAL else cfg.name
             rows.append(summary_row(dict(base, provider=provider, batch=batch,
                                          config="serial" if "serial" in provider else "tree",
                                          cuda_graph=provider.endswith("-graph")), table[cfg.name]))
-        if peers:
-            rows += peer_rows(base, table)
+        rows += peer_rows(base, table)
     return rows
 
 

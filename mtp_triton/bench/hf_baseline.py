@@ -68,7 +68,7 @@ def compiled_kwargs(device):
 
 
 def time_hf(hf, prompts, max_new_tokens, eos_token_id=None, warmup="each", prompt_lookup=None, compiled=False):
-    """HF greedy `generate` one prompt at a time: decode tokens/s (prefill excluded as for ours), tokens/J, tokens.
+    """HF greedy `generate` one prompt at a time: decode tokens/s (prefill excluded as for ours), energy, tokens.
     warmup: "each" (an 8-token generate before every prompt), "first" (before the first prompt only) or "none".
     prompt_lookup: n for transformers' prompt-lookup decoding (`prompt_lookup_num_tokens=n`: drafts copied from
     n-gram matches in the context, verified by the model; no training), None for plain greedy. compiled: its
@@ -79,7 +79,7 @@ def time_hf(hf, prompts, max_new_tokens, eos_token_id=None, warmup="each", promp
         kw["prompt_lookup_num_tokens"] = prompt_lookup
     if compiled:
         kw.update(compiled_kwargs(dev))
-    decode_s, decode_tokens, new, energy, tokens, per_prompt = 0.0, 0, 0, 0.0, [], []
+    energy, tokens, per_prompt = 0.0, [], []
     for i, p in enumerate(prompts):
         ids = torch.tensor([p], device=dev)
         with torch.no_grad():
@@ -96,16 +96,12 @@ def time_hf(hf, prompts, max_new_tokens, eos_token_id=None, warmup="each", promp
             _sync(dev)
             t_all = time.perf_counter() - t0
             e1 = gpu_energy_j(dev) if dev.type == "cuda" else None
-        gen = out[0, len(p):].tolist()
-        tokens.append(gen)
-        new += len(gen)
-        decode_tokens += len(gen) - 1
-        decode_s += max(t_all - t_first, 1e-9)
-        per_prompt.append(dict(new_tokens=len(gen), decode_s=max(t_all - t_first, 1e-9), ttft_s=t_first))
+        tokens.append(out[0, len(p):].tolist())
+        per_prompt.append(dict(new_tokens=len(tokens[-1]), decode_s=max(t_all - t_first, 1e-9), ttft_s=t_first))
         energy = None if energy is None or e0 is None or e1 is None else energy + (e1 - e0)
-    return dict(tokens=tokens, new_tokens=new, decode_tokens=decode_tokens, decode_s=decode_s,
-                decode_tokens_per_s=decode_tokens / decode_s, energy_j=energy,
-                tokens_per_j=(new / energy) if energy else None, tokens_per_step=1.0, per_prompt=per_prompt,
+    decode_s = sum(p["decode_s"] for p in per_prompt)                   # decode tokens: new tokens - 1 per prompt
+    return dict(tokens=tokens, new_tokens=sum(map(len, tokens)), per_prompt=per_prompt, energy_j=energy,
+                decode_tokens_per_s=sum(len(t) - 1 for t in tokens) / decode_s,
                 kernels="transformers generate (sdpa" + (", static cache, torch.compile)" if compiled else ")"))
 
 

@@ -27,15 +27,15 @@ import torch
 from ..cli import error, run
 from ..generate import RuntimeConfig
 from ..ops import KINDS
-from ..bundle import (ROOT, SMOLLM2, cli_drafter, describe_drafter, encode, heads_dir_for, load_bundle, pick_prompts,
-                      pick_tree, read_prompts, tree_size)
+from ..bundle import (CHAT_PROMPTS, ROOT, SMOLLM2, cli_drafter, describe_drafter, encode, heads_dir_for, load_bundle,
+                      pick_prompts, pick_tree, read_prompts, tree_size)
+from ..records import md_table
 from .ab import Config, run_prompt, summarise, warm_up
 from .common import (KeptRows, append_rows, ensure_writable_dir, env_info, int_at_least, output_lock, resume_rows,
                     save_figure)
 from .eval_harness import fingerprint
 
-PROMPT_SETS = {"chat": os.path.join(ROOT, "data", "chat", "heldout_chat.jsonl"),
-               "templated": os.path.join(ROOT, "data", "chat", "heldout_templated.jsonl")}
+PROMPT_SETS = {"chat": CHAT_PROMPTS, "templated": os.path.join(ROOT, "data", "chat", "heldout_templated.jsonl")}
 THRESHOLDS = (0.01, 0.02, 0.05, 0.1, 0.2)
 
 
@@ -71,7 +71,7 @@ def row_key(row):
 def build_parser():
     ap = argparse.ArgumentParser(prog="python -m mtp_triton prune", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (as the demo)")
+    ap.add_argument("--model", default=SMOLLM2, help="default: SmolLM2-135M-Instruct (as the demo)")
     ap.add_argument("--drafter", default=None, choices=["medusa", "mtp"], help="medusa: MTP heads; mtp: the MTP "
                     "module (a dynamic tree each step, pruned by its own path probabilities); default as the demo's")
     ap.add_argument("--heads", default=None, help="the drafter's folder (default: the model's shipped heads or module)")
@@ -105,7 +105,6 @@ def main(argv=None):
     Ctrl-C). The rows of each prompt are appended to <out>/prune.csv as soon as it finishes; one run per --out."""
     argv = list(sys.argv[1:] if argv is None else argv)
     a = build_parser().parse_args(argv)
-    a.model = a.model or SMOLLM2
     with contextlib.ExitStack() as held:
         try:                                             # everything that can be checked before the model loads
             thresholds = parse_thresholds(a.thresholds)
@@ -170,11 +169,9 @@ def _run(a, argv, thresholds, prompts):
         return error(f"could not write the rows to {csv_path!r}: {e}. The prompts that finished before are there; "
                      "make room and run the same command with --resume")
     table = prune_summary(mine)
-    print("\n| configuration | decode tok/s | speedup | tau | verified nodes / step | identical |")
-    print("|---|---|---|---|---|---|")
-    for n, s in table.items():
-        print(f"| {n} | {s['tok_s']:.1f} | {s['speedup']:.2f}x | {s['tau']:.2f} | {s['nodes']:.1f} | "
-              f"{s['identical']}/{s['prompts']} |")
+    print("\n" + md_table(["configuration", "decode tok/s", "speedup", "tau", "verified nodes / step", "identical"],
+                          [[n, f"{s['tok_s']:.1f}", f"{s['speedup']:.2f}x", f"{s['tau']:.2f}", f"{s['nodes']:.1f}",
+                            f"{s['identical']}/{s['prompts']}"] for n, s in table.items()]))
     plot(table, thresholds, env, os.path.join(a.out, "prune.png"))
     print(f"wrote {csv_path} and {a.out}/prune.png" + (f" ({kept.used} rows kept from earlier runs)"
                                                         if kept.used else ""))
@@ -185,25 +182,23 @@ def _run(a, argv, thresholds, prompts):
 
 
 def plot(table, thresholds, env, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Speedup, tau and verified nodes per threshold (a `prune_summary` table), built without pyplot."""
+    from matplotlib.figure import Figure
     names = [n for n in table if n != "serial"]
-    fig, ax = plt.subplots(1, 2, figsize=(10, 3.4), dpi=80)
+    fig = Figure(figsize=(10, 3.4), dpi=80)
+    ax = fig.subplots(1, 2)
     x = range(len(names))
-    labels = ["none"] + [f"{t:g}" for t in thresholds]
     ax[0].bar(x, [table[n]["speedup"] for n in names], color="tab:blue")
     ax[0].axhline(1.0, color="grey", lw=0.8)
-    ax[0].set_xticks(list(x), labels)
-    ax[0].set_xlabel("prune_below")
     ax[0].set_ylabel("decode speedup vs serial")
     ax[0].set_title(env["device"][:90], fontsize=7)
     ax[1].plot(x, [table[n]["tau"] for n in names], "o-", color="tab:green", label="tau (tokens / step)")
     ax[1].plot(x, [table[n]["nodes"] / 10 for n in names], "s--", color="tab:orange", label="verified nodes / 10")
-    ax[1].set_xticks(list(x), labels)
-    ax[1].set_xlabel("prune_below")
+    for a in ax:
+        a.set_xticks(list(x), ["none"] + [f"{t:g}" for t in thresholds])
+        a.set_xlabel("prune_below")
     ax[1].legend(fontsize=8)
-    save_figure(fig, path, close=True)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -48,10 +48,8 @@ from .common import (KeptRows, append_rows, ensure_writable_dir, env_info, int_a
 from .eval_harness import fingerprint
 from .roofline import roofline_fields
 from .profile_step import kernel_rows, phase_rows
-from .tables_render import (NPU_CONFIGS, PUBLISHED, _table, load_published, markdown, npu_sweep,  # noqa: F401
-                            plot)
+from .tables_render import load_published, markdown, npu_sweep, plot  # noqa: F401  (the rendering, importable here)
 
-# The rendering (markdown, plot, the published rows) lives in tables_render.py; its names stay importable here.
 CHAINS = (2, 4, 8)
 DEFAULT_PROFILES = "consumer80,deepseek85,deepseek90"
 # Per suite: the extra sections besides the sweep and the analytic model (the SmolLM2 suite keeps to the sweep:
@@ -103,35 +101,30 @@ def suite_rows(target, draftings, max_new_tokens, *, kernels="auto", hf=True, ph
                log=print):
     """Everything for one target: the sweep of every drafting and the transformers peers, all interleaved per
     prompt (`e2e.measure`), the analytic model, phases and kernels."""
-    model, dev = target.model, target.model.device
-    env = env_info(dev)
-    run_id = run_id or env["timestamp"]
-    base = dict(env, run_id=run_id, **target.row(), batch=1, max_new_tokens=max_new_tokens)
+    model = target.model
+    env = env_info(model.device)
+    base = dict(env, run_id=run_id or env["timestamp"], **target.row(), batch=1, max_new_tokens=max_new_tokens)
     kw = dict(kernels=kernels)
     depth = max(d.num_heads for d in draftings)
     truth = (e2e.serial_truth(model, target.prompts, max_new_tokens, depth, eos=target.eos_token_id, **kw)
              if any(d.synthetic for d in draftings) else None)                    # the oracle's proposals
-    sweeps = []
-    for d in draftings:
-        tree = e2e.drafting_tree(target, d)
-        sweeps.append((d, tree, sweep_configs(d, tree)))
+    sweeps = [(d, sweep_configs(d, e2e.drafting_tree(target, d))) for d in draftings]
     configs = [Config(SERIAL, dict(kw, mtp=False))] + [
         e2e.mtp_config(f"{i}:{name}", model, d, t, truth, **kw)
-        for i, (d, _, sweep) in enumerate(sweeps) for name, t, _ in sweep if name != "serial" and t is not None]
+        for i, (d, sweep) in enumerate(sweeps) for name, t, _ in sweep if name != "serial" and t is not None]
     rows, twin = [], None
     if hf:
         try:
             twin = e2e.hf_twin(model)
         except Exception as exc:                       # an HF version that cannot build the twin: say so, go on
             rows.append(dict(base, table="hf", provider="hf-generate", note=f"HF baseline failed: {exc!r}"[:300]))
-    table, _ = e2e.measure(target, configs + (list(e2e.PEERS) if twin is not None else []), max_new_tokens,
-                           hf=twin)
+    table, _ = e2e.measure(target, configs, max_new_tokens, hf=twin)            # with the peers when there is a twin
     log(f"[{target.suite}] serial: {table[SERIAL]['tok_s']:.1f} tok/s ({env['device']})")
-    fixed = {t.paths: t for d, _, sweep in sweeps if not d.dynamic for _, t, _ in sweep if t is not None}
+    fixed = {t.paths: t for d, sweep in sweeps if not d.dynamic for _, t, _ in sweep if t is not None}
     cache_len = int(target.prompt_len) + max_new_tokens // 2
     seconds = step_cost(model, [Tree.root_only(), *fixed.values()], context=cache_len, kernels=kernels)
     verify_s = dict(zip(fixed, seconds[1:]))                                      # tree.paths -> seconds
-    for i, (d, tree, sweep) in enumerate(sweeps):
+    for i, (d, sweep) in enumerate(sweeps):
         measured = {}
         for name, t, note in sweep:
             row = dict(base, table="sweep", drafter=d.label, synthetic_drafts=d.synthetic, config=name, note=note)
@@ -150,13 +143,12 @@ def suite_rows(target, draftings, max_new_tokens, *, kernels="auto", hf=True, ph
         if not d.dynamic:                   # the analytic model prices fixed trees
             rows += analytic_rows(d, measured, seconds[0], verify_s,
                                   dict(base, drafter=d.label, synthetic_drafts=d.synthetic))
-    d0 = draftings[0]
-    if phases:
+    if phases:                                          # the first drafting's tree, one prompt at a time
+        d0 = draftings[0]
         tree = e2e.drafting_tree(target, d0)
-        V, kw = model.config.vocab_size, dict(kw, eos_token_id=target.eos_token_id)
-        configs = [("serial", dict(kw, mtp=False)),
-                   (f"tree-{tree.size}",
-                    lambda i: dict(kw, **d0.kwargs(truth[i: i + 1] if truth else None, V, i, tree)))]
+        kw = dict(kw, eos_token_id=target.eos_token_id)
+        mtp = e2e.mtp_config(f"tree-{tree.size}", model, d0, tree, truth, **kw)
+        configs = [("serial", dict(kw, mtp=False)), (mtp.name, lambda i: mtp.kw(i, i + 1))]
         pb = dict(base, drafter=d0.label)
         rows += phase_rows(model, target.prompts, max_new_tokens, configs, pb)
         for name, ckw in configs:
@@ -165,9 +157,7 @@ def suite_rows(target, draftings, max_new_tokens, *, kernels="auto", hf=True, ph
             except Exception as exc:                   # the profiler is a diagnostic: report, do not abort
                 rows.append(dict(pb, table="kernels", config=name, kernel="(torch.profiler failed)",
                                  note=repr(exc)[:300]))
-    if twin is not None:
-        rows += [dict(r, table="hf") for r in e2e.peer_rows(dict(base, drafter="none"), table)]
-    return rows
+    return rows + [dict(r, table="hf") for r in e2e.peer_rows(dict(base, drafter="none"), table)]
 
 
 def analytic_rows(drafting, sweep, t1, verify_s, base):
@@ -199,8 +189,8 @@ def analytic_rows(drafting, sweep, t1, verify_s, base):
 def suite_setup(target, quick, profiles, max_new_tokens, num_prompts, kernels, hf):
     """What a suite's rows depend on besides the device, readable: the weights' fingerprints and the settings
     (--resume reuses a suite only for the same setup)."""
-    heads = f" heads {fingerprint(target.heads)}" if getattr(target, "heads", None) is not None else ""
-    if getattr(target, "module", None) is not None:
+    heads = f" heads {fingerprint(target.heads)}" if target.heads is not None else ""
+    if target.module is not None:
         heads += f" module {fingerprint(target.module)}"
     return (f"model {fingerprint(target.model)}{heads} quick {quick} profiles {profiles} max_new_tokens "
             f"{max_new_tokens} num_prompts {num_prompts} kernels {kernels} hf {hf}")
@@ -235,8 +225,8 @@ def run_tables(out, shapes=("embedded", "llama7b"), *, quick=False, device=None,
             rows.append(dict(env, run_id=run_id, table="skipped", suite=shape, note=str(exc)))
             continue
         n = max_new_tokens or (12 if quick else 128)
-        extra = SECTIONS.get(shape, {})
-        setup = suite_setup(target, quick, profiles, n, num_prompts, kernels, hf and extra.get("hf", True))
+        sections = dict(SECTIONS[shape], hf=hf and SECTIONS[shape]["hf"])
+        setup = suite_setup(target, quick, profiles, n, num_prompts, kernels, sections["hf"])
         again = kept.matching(lambda k: k == (setup, str(env["device"]), shape))
         if again:
             log(f"[{shape}] kept from an earlier run ({len(again)} rows of {csv_path})")
@@ -249,10 +239,9 @@ def run_tables(out, shapes=("embedded", "llama7b"), *, quick=False, device=None,
             draftings = [e2e.oracle_drafting(p) for p in profiles.split(",") if p.strip()]
         else:
             draftings = [e2e.heads_drafting(target)]
-            if getattr(target, "module", None) is not None:
+            if target.module is not None:
                 draftings.append(e2e.module_drafting(target))      # the other drafter family, side by side
-        new = suite_rows(target, draftings, n, kernels=kernels, hf=hf and extra.get("hf", True),
-                         phases=extra.get("phases", True), run_id=run_id, log=log)
+        new = suite_rows(target, draftings, n, kernels=kernels, **sections, run_id=run_id, log=log)
         new = [dict(r, suite=shape, setup=setup, **({"command": command} if command else {})) for r in new]
         rows += new
         write_outputs(out, run_id, new, earlier)  # after every suite: a later timeout keeps what was measured

@@ -1,11 +1,10 @@
 """The speedup tables rendered: published numbers (data/published/*.csv) beside one run's measured rows, as
 markdown and as one 2 x 2 figure. Everything here reads CSV rows (every value may be a string)."""
-import csv
 import glob
 import os
 
 from ..bundle import ROOT
-from ..records import md_table
+from ..records import md_table, read_rows
 from .common import save_figure
 from .profile_step import PHASES, plot_phases
 
@@ -17,15 +16,9 @@ NPU_CONFIGS = ("serial", "MTP-2", "MTP-4", "MTP-8")
 # ---- published numbers ------------------------------------------------------------------------------------
 def load_published(folder=PUBLISHED):
     """All rows of data/published/*.csv, `value` / `value_high` as floats (None when blank), plus `file`."""
-    rows = []
-    for path in sorted(glob.glob(os.path.join(folder, "*.csv"))):
-        with open(path, newline="") as f:
-            for r in csv.DictReader(f):
-                r["value"] = float(r["value"])
-                r["value_high"] = float(r["value_high"]) if r.get("value_high") else None
-                r["file"] = os.path.basename(path)
-                rows.append(r)
-    return rows
+    return [dict(r, value=float(r["value"]), value_high=float(r["value_high"]) if r.get("value_high") else None,
+                 file=os.path.basename(path))
+            for path in sorted(glob.glob(os.path.join(folder, "*.csv"))) for r in read_rows(path)]
 
 
 def npu_sweep(published):
@@ -51,8 +44,26 @@ def _n(x, fmt="{:.1f}"):
     return "—" if v is None else fmt.format(v)
 
 
-def _table(headers, body):
-    return md_table(headers, body) + "\n"
+def _share(r):
+    return _n((_f(r.get("fraction")) or 0) * 100, "{:.1f} %")
+
+
+def _of(rows, kind):
+    """The rows of one kind (their `table` field: sweep, analytic, phases, ...)."""
+    return [r for r in rows if r.get("table") == kind]
+
+
+def _groups(rows, *cols):
+    """{(the values of cols): the rows holding them}, keys in the order they first appear."""
+    out = {}
+    for r in rows:
+        out.setdefault(tuple(r[c] for c in cols), []).append(r)
+    return out
+
+
+def _block(heading, headers, body):
+    """A heading and its markdown table; "" when the table has no rows."""
+    return heading + md_table(headers, body) + "\n" if body else ""
 
 
 def _where(r):
@@ -71,17 +82,13 @@ def markdown(rows, published):
            f"triton {e0.get('triton')}, interpreter {e0.get('interpreter')}), commit {e0.get('commit')}, "
            f"{e0.get('timestamp')}. Decode tok/s excludes the time to first token; speedup is over serial decoding "
            "on the same engine, weights and prompts.\n"]
-    for r in rows:
-        if r.get("table") == "skipped":
-            out.append(f"\n*{r['suite']}: {r['note']}*\n")
+    out += [f"\n*{r['suite']}: {r['note']}*\n" for r in _of(rows, "skipped")]
     out.append("\n## 1. Depth sweep: MTP-2 / MTP-4 / MTP-8 (chains of 2, 4, 8 drafts) against serial\n\n"
                f"Published: Llama-7B on a BM1684 NPU, batch and prompt length not stated ({src}). Ours: each suite "
                "below, measured by this run, on the hardware it names; MTP-n is a chain-n tree, `tree` the default "
                "(for trained heads: the tree stored with them).\n")
-    sweep = [r for r in rows if r.get("table") == "sweep"]
-    for key in dict.fromkeys((r["suite"], r["drafter"]) for r in sweep):
-        grp = [r for r in sweep if (r["suite"], r["drafter"]) == key]
-        out.append(f"\n**Ours — {key[0]}, drafts: {key[1]}.** {_where(grp[0])}.\n\n")
+    sweeps = _groups(_of(rows, "sweep"), "suite", "drafter")
+    for (suite, drafter), grp in sweeps.items():
         body = []
         for r in grp:
             p = npu.get(r["config"], {})
@@ -92,10 +99,10 @@ def markdown(rows, published):
                          _n(r.get("speedup_pct"), "{:+.1f} %"), _n(r.get("tokens_per_j")), _n(r.get("tau"), "{:.2f}"),
                          {"True": "yes", "False": "**no**"}.get(str(r.get("identical_to_serial")), "—"),
                          r.get("accept_rate_per_depth") or r.get("note", "")])
-        out.append(_table(["config", "pub. tok/s", "pub. ms/tok", "pub. speedup", "pub. tok/J", "ours tok/s",
+        out.append(_block(f"\n**Ours — {suite}, drafts: {drafter}.** {_where(grp[0])}.\n\n",
+                          ["config", "pub. tok/s", "pub. ms/tok", "pub. speedup", "pub. tok/J", "ours tok/s",
                            "ours ms/tok", "ours speedup", "ours tok/J", "τ", "same tokens as serial",
                            "acceptance per depth / note"], body))
-    out.append("\n## 2. Other systems (published) and our best configuration\n\n")
     body = []
     for r in published:
         if r["metric"] in ("speedup", "mean_accepted_tokens", "second_token_acceptance_pct", "draft_acceptance_pct"):
@@ -104,56 +111,46 @@ def markdown(rows, published):
     for (sysname, cfg, model, hw, batch, src2), (a, b) in _pairs(published).items():
         body.append([sysname, cfg, model, hw, batch, "speedup (computed from the tok/s pair)",
                      f"{b / a:.2f} x ({a:g} → {b:g} tok/s)", src2])
-    for key in dict.fromkeys((r["suite"], r["drafter"]) for r in sweep):
-        grp = [r for r in sweep if (r["suite"], r["drafter"]) == key and _f(r.get("speedup"))
-               and r["config"] != "serial"]
+    for (suite, drafter), grp in sweeps.items():
+        grp = [r for r in grp if _f(r.get("speedup")) and r["config"] != "serial"]
         if grp:
             b = max(grp, key=lambda r: _f(r["speedup"]))
-            body.append([f"ours ({key[0]}, {key[1]})", b["config"], b["model"], b["device"], b.get("batch", 1),
+            body.append([f"ours ({suite}, {drafter})", b["config"], b["model"], b["device"], b.get("batch", 1),
                          "speedup / τ", f"{_f(b['speedup']):.2f} x / {_n(b['tau'], '{:.2f}')}", "measured here"])
-    out.append(_table(["system", "config", "model", "hardware", "batch", "metric", "value", "source"], body))
-    ana = [r for r in rows if r.get("table") == "analytic"]
-    if ana:
-        out.append("\n## 3. Analytic model vs measured\n\npredicted = (E[accepted drafts] + 1) / c(T), with c(T) = "
-                   "measured verify time of a T-node step / a 1-node step. `from τ` uses the measured tokens per "
-                   "step instead of the expected ones: what separates it from the measured speedup is drafting, "
-                   "accept, append and Python overhead.\n\n")
-        out.append(_table(["suite", "drafts", "config", "T", "E[tokens/step]", "c(T)", "predicted", "from τ",
-                           "measured", "accuracies from"],
-                          [[r["suite"], r["drafter"], r["config"], r["tree_size"],
-                            _n(r["expected_tokens_per_step"], "{:.2f}"), _n(r["verify_cost_ratio"], "{:.2f}"),
-                            _n(r["predicted_speedup"], "{:.2f}"), _n(r["predicted_from_tau"], "{:.2f}"), _n(r["measured_speedup"], "{:.2f}"), r["acc_source"]]
-                           for r in ana]))
-    ph = [r for r in rows if r.get("table") == "phases"]
-    if ph:
-        out.append("\n## 4. Where a step's time goes (ms per step)\n\n")
-        body = []
-        for key in dict.fromkeys((r["suite"], r["config"]) for r in ph):
-            g = {r["phase"]: r for r in ph if (r["suite"], r["config"]) == key}
-            any_r = next(iter(g.values()))
-            body.append([key[0], key[1]] + [_n(g[p]["ms_per_step"], "{:.3f}") if p in g else "—" for p in PHASES]
-                        + [_n(any_r["step_ms"], "{:.3f}"), _n(any_r["tau"], "{:.2f}"), any_r["device"]])
-        out.append(_table(["suite", "config", *PHASES, "step ms", "τ", "hardware"], body))
-    cat = [r for r in rows if r.get("table") == "kernel_categories"]
-    if cat:
-        out.append("\n### GPU time by kernel category (torch.profiler, decode steps only)\n\n")
-        out.append(_table(["suite", "config", "category", "GPU ms/step", "share"],
-                          [[r["suite"], r["config"], r["category"], _n(r.get("gpu_ms_per_step"), "{:.3f}"),
-                            _n((_f(r.get("fraction")) or 0) * 100, "{:.1f} %")] for r in cat]))
-    ker = [r for r in rows if r.get("table") == "kernels"]
-    if ker:
-        out.append("\n### GPU kernels (torch.profiler, decode steps only)\n\n")
-        out.append(_table(["suite", "config", "kernel", "category", "calls/step", "GPU ms/step", "share"],
-                          [[r["suite"], r["config"], f"`{r['kernel'][:60]}`", r.get("category") or r.get("note", ""),
-                            _n(r.get("calls_per_step")), _n(r.get("gpu_ms_per_step"), "{:.3f}"),
-                            _n((_f(r.get("fraction")) or 0) * 100, "{:.1f} %")] for r in ker]))
-    hf = [r for r in rows if r.get("table") == "hf"]
-    if hf:
-        out.append("\n## 5. Hugging Face generate() on the same weights (greedy and prompt-lookup, batch 1)\n\n")
-        out.append(_table(["suite", "model", "hardware", "provider", "HF tok/s", "HF / our serial", "HF tok/J", "note"],
-                          [[r["suite"], r.get("model"), r.get("device"), r.get("provider"), _n(r.get("tokens_per_s")),
-                            _n(r.get("speedup_vs_serial"), "{:.2f}"), _n(r.get("tokens_per_j")), r.get("note", "")]
-                           for r in hf]))
+    out.append(_block("\n## 2. Other systems (published) and our best configuration\n\n",
+                      ["system", "config", "model", "hardware", "batch", "metric", "value", "source"], body))
+    out.append(_block("\n## 3. Analytic model vs measured\n\npredicted = (E[accepted drafts] + 1) / c(T), with c(T) = "
+                      "measured verify time of a T-node step / a 1-node step. `from τ` uses the measured tokens per "
+                      "step instead of the expected ones: what separates it from the measured speedup is drafting, "
+                      "accept, append and Python overhead.\n\n",
+                      ["suite", "drafts", "config", "T", "E[tokens/step]", "c(T)", "predicted", "from τ", "measured",
+                       "accuracies from"],
+                      [[r["suite"], r["drafter"], r["config"], r["tree_size"],
+                        *[_n(r[k], "{:.2f}") for k in ("expected_tokens_per_step", "verify_cost_ratio",
+                                                      "predicted_speedup", "predicted_from_tau", "measured_speedup")],
+                        r["acc_source"]] for r in _of(rows, "analytic")]))
+    body = []
+    for (suite, config), grp in _groups(_of(rows, "phases"), "suite", "config").items():
+        g = {r["phase"]: r for r in grp}
+        first = next(iter(g.values()))
+        body.append([suite, config] + [_n(g[p]["ms_per_step"], "{:.3f}") if p in g else "—" for p in PHASES]
+                    + [_n(first["step_ms"], "{:.3f}"), _n(first["tau"], "{:.2f}"), first["device"]])
+    out.append(_block("\n## 4. Where a step's time goes (ms per step)\n\n",
+                      ["suite", "config", *PHASES, "step ms", "τ", "hardware"], body))
+    out.append(_block("\n### GPU time by kernel category (torch.profiler, decode steps only)\n\n",
+                      ["suite", "config", "category", "GPU ms/step", "share"],
+                      [[r["suite"], r["config"], r["category"], _n(r.get("gpu_ms_per_step"), "{:.3f}"), _share(r)]
+                       for r in _of(rows, "kernel_categories")]))
+    out.append(_block("\n### GPU kernels (torch.profiler, decode steps only)\n\n",
+                      ["suite", "config", "kernel", "category", "calls/step", "GPU ms/step", "share"],
+                      [[r["suite"], r["config"], f"`{r['kernel'][:60]}`", r.get("category") or r.get("note", ""),
+                        _n(r.get("calls_per_step")), _n(r.get("gpu_ms_per_step"), "{:.3f}"), _share(r)]
+                       for r in _of(rows, "kernels")]))
+    out.append(_block("\n## 5. Hugging Face generate() on the same weights (greedy and prompt-lookup, batch 1)\n\n",
+                      ["suite", "model", "hardware", "provider", "HF tok/s", "HF / our serial", "HF tok/J", "note"],
+                      [[r["suite"], r.get("model"), r.get("device"), r.get("provider"), _n(r.get("tokens_per_s")),
+                        _n(r.get("speedup_vs_serial"), "{:.2f}"), _n(r.get("tokens_per_j")), r.get("note", "")]
+                       for r in _of(rows, "hf")]))
     return "".join(out)
 
 
@@ -180,13 +177,12 @@ def plot(rows, published, path=None):
     fig = Figure(figsize=(11, 7.5), dpi=80)
     ax = fig.subplots(2, 2)
     npu = npu_sweep(published)
-    sweep = [r for r in rows if r.get("table") == "sweep" and _f(r.get("speedup"))]
+    sweep = [r for r in _of(rows, "sweep") if _f(r.get("speedup"))]
     configs = list(NPU_CONFIGS) + ["tree"]
     groups = [("published BM1684 Llama-7B", {c: 1 + npu[c]["speedup_pct"] / 100 if c != "serial" else 1.0
                                             for c in NPU_CONFIGS})]
-    for key in dict.fromkeys((r["suite"], r["drafter"]) for r in sweep):
-        groups.append((f"{key[0]}: {key[1]}"[:40], {r["config"]: _f(r["speedup"]) for r in sweep
-                                                    if (r["suite"], r["drafter"]) == key}))
+    for (suite, drafter), g in _groups(sweep, "suite", "drafter").items():
+        groups.append((f"{suite}: {drafter}"[:40], {r["config"]: _f(r["speedup"]) for r in g}))
     w = 0.8 / len(groups)
     for i, (label, vals) in enumerate(groups):
         ax[0, 0].bar([j + i * w for j in range(len(configs))], [vals.get(c, 0) or 0 for c in configs], width=w,
@@ -196,15 +192,13 @@ def plot(rows, published, path=None):
     ax[0, 0].set_ylabel("speedup over serial (x)")
     ax[0, 0].set_title("depth sweep: MTP-2/4/8 vs serial (missing bar = not run)", fontsize=9)
     ax[0, 0].legend(fontsize=6)
-    ana = [r for r in rows if r.get("table") == "analytic"]
+    ana = _of(rows, "analytic")
     lim = 1.0
-    for key in dict.fromkeys((r["suite"], r["drafter"]) for r in ana):
-        g = [r for r in ana if (r["suite"], r["drafter"]) == key]
-        xs = [_f(r["predicted_speedup"]) for r in g]
-        ys = [_f(r["measured_speedup"]) for r in g]
-        pts = [(x, y, r["config"]) for x, y, r in zip(xs, ys, g) if x is not None and y is not None]
+    for (suite, drafter), g in _groups(ana, "suite", "drafter").items():
+        pts = [(_f(r["predicted_speedup"]), _f(r["measured_speedup"]), r["config"]) for r in g]
+        pts = [p for p in pts if p[0] is not None and p[1] is not None]
         if pts:
-            ax[0, 1].scatter([p[0] for p in pts], [p[1] for p in pts], label=f"{key[0]}: {key[1]}"[:40])
+            ax[0, 1].scatter([p[0] for p in pts], [p[1] for p in pts], label=f"{suite}: {drafter}"[:40])
             for x, y, c in pts:
                 ax[0, 1].annotate(c, (x, y), fontsize=6)
             lim = max(lim, *[p[0] for p in pts], *[p[1] for p in pts])
@@ -213,10 +207,9 @@ def plot(rows, published, path=None):
     ax[0, 1].set_ylabel("measured speedup")
     ax[0, 1].set_title("analytic model vs measured", fontsize=9)
     ax[0, 1].legend(fontsize=6)
-    for key in dict.fromkeys((r["suite"], r["device"]) for r in ana):
-        pts = sorted({(int(r["tree_size"]), _f(r["verify_cost_ratio"])) for r in ana
-                      if (r["suite"], r["device"]) == key})
-        ax[1, 0].plot([1] + [p[0] for p in pts], [1.0] + [p[1] for p in pts], "o-", label=f"{key[0]} on {key[1][:24]}")
+    for (suite, device), g in _groups(ana, "suite", "device").items():
+        pts = sorted({(int(r["tree_size"]), _f(r["verify_cost_ratio"])) for r in g})
+        ax[1, 0].plot([1] + [p[0] for p in pts], [1.0] + [p[1] for p in pts], "o-", label=f"{suite} on {device[:24]}")
     if ana:
         tmax = max(int(r["tree_size"]) for r in ana)
         ax[1, 0].plot([1, tmax], [1, tmax], ":", color="grey", label="c(T) = T (compute-bound)")
@@ -224,7 +217,7 @@ def plot(rows, published, path=None):
     ax[1, 0].set_ylabel("verify cost c(T) = time(T) / time(1)")
     ax[1, 0].set_title("what a verify step of T nodes costs", fontsize=9)
     ax[1, 0].legend(fontsize=6)
-    ph = [dict(r, config=f"{r['suite']}: {r['config']}") for r in rows if r.get("table") == "phases"]
+    ph = [dict(r, config=f"{r['suite']}: {r['config']}") for r in _of(rows, "phases")]
     plot_phases(ph, ax=ax[1, 1])
     ax[1, 1].set_title("per-phase profile", fontsize=9)
     dev = rows[0].get("device", "?") if rows else "?"
