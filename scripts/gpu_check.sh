@@ -143,10 +143,7 @@ for name in sys.argv[1:]:
     print('ok', name)" "${BENCHES[@]}"
 else
   for name in "${BENCHES[@]}"; do
-    args=(--out "$WORK/kernels/$name.csv")
-    if grep -q -- '"--plot"' "mtp_triton/bench/$name.py"; then
-      args+=(--plot "$WORK/kernels/$name.png")
-    fi
+    args=(--out "$WORK/kernels/$name.csv" --plot "$WORK/kernels/$name.png")    # every kernel benchmark takes --plot
     if [[ $name == drafting ]]; then
       # torch.compile's compile time must not cost the kernel's own rows: it gets a stage of its own
       stage bench-drafting 25 "$PY" -m mtp_triton.bench.drafting "${args[@]}" --providers triton-fused,torch-unfused
