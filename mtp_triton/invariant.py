@@ -41,6 +41,7 @@ gather indices) is built once and reused by every layer. It costs a little more 
 step; notebook 05 measures both. The output is bf16-accurate attention (probabilities and
 chunk partials rounded to bf16, sums in fp32/fp64), not the fp32 twin's numbers: use it for bf16/fp16 models.
 """
+import importlib
 from dataclasses import dataclass
 
 import torch
@@ -274,8 +275,7 @@ def tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree,
                    window=None, check_values=True):
     """The twin's signature (`mtp_triton.reference.tree_attention`): plan + attention for one layer, with the same
     input checks (shapes always; values unless check_values=False; the window)."""
-    from .reference import _checks
-    checks = _checks("tree_attention")
+    checks = importlib.import_module("mtp_triton.kernels.tree_attention")     # the kernel file's checks, on first use
     checks.check_tree_attention_inputs(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask,
                                        values=check_values, window=window)
     window = checks.check_window(window)
