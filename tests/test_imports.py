@@ -83,3 +83,44 @@ mt.use_interpreter()
 print("KIND", mt.ops.get_ops("triton", "cpu").kind)
 """)
     assert "RAISED" in out and "KIND triton" in out, out
+
+
+def _import_graph():
+    """{module: modules of the package it imports}, from every import statement (function-level ones included)."""
+    import ast
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1] / "mtp_triton"
+    names = {".".join(p.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in root.rglob("*.py")}
+    graph = {}
+    for name, path in names.items():
+        pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        graph[name] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = ".".join(pkg.split(".")[: len(pkg.split(".")) - node.level + 1]) if node.level else ""
+                target = ".".join(x for x in (base, node.module) if x)
+                found = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in names]
+                graph[name] |= set(found or ([target] if target in names else []))
+            elif isinstance(node, ast.Import):
+                graph[name] |= {a.name for a in node.names if a.name in names}
+        graph[name].discard(name)
+    return graph
+
+
+def test_no_import_circles_and_bench_only_from_the_command_lines():
+    """No module of the package reaches itself through its imports (the package's own __init__ aside: it
+    re-exports), and only the command lines (demo, __main__) import bench/ from outside it."""
+    graph = _import_graph()
+    inner = {m: {t for t in ts if t != "mtp_triton"} for m, ts in graph.items() if m != "mtp_triton"}
+    for start in inner:
+        seen, todo = set(), list(inner[start])
+        while todo:
+            m = todo.pop()
+            assert m != start, f"{start} imports itself through its imports"
+            if m not in seen:
+                seen.add(m)
+                todo += inner.get(m, ())
+    outside = {m for m, ts in graph.items() if not m.startswith("mtp_triton.bench") and
+               any(t.startswith("mtp_triton.bench") for t in ts)}
+    assert outside <= {"mtp_triton.demo", "mtp_triton.__main__"}, outside
