@@ -6,12 +6,15 @@ For each dtype (the checkpoint's fp32, and bf16) and each configuration (our ser
 shipped heads and every default), on held-out chat prompts (the first of each category):
 
     step_ms        decode seconds / steps of an unprofiled run (generate's own stats; prefill excluded)
-    floor_step_ms  weight bytes one step streams / this machine's measured copy bandwidth (bench.roofline)
-    op_calls       aten op calls per decode step: torch.profiler events of an N-token run minus a 1-token run (the
-                   prefill and first step cancel), divided by the N-token run's remaining steps
-    <cat>_ms       self CPU time per step of the ops of each category: gemm (mm, addmm, bmm, linear and the
-                   packed/mkldnn linears), layout (view, reshape, slice, index, cat, copy_, ... : moving or
-                   re-describing data), other (elementwise, reductions, softmax, ...)
+    floor_step_ms  the model's weight bytes one step streams / this machine's measured copy bandwidth
+                   (bench.roofline; the drafter's weights are not counted)
+    op_calls       op calls per decode step (ops with a positive self time): torch.profiler events of an N-token
+                   run minus a 1-token run (the prefill and the first token cancel), divided by the profiled run's
+                   decode steps
+    <cat>_ms       self CPU time per step of the ops of each category, by exact op name: gemm (mm, addmm, bmm,
+                   linear and the packed/mkldnn linears), layout (view, reshape, slice, index, cat, copy_,
+                   _to_copy, empty, ...: moving, allocating or re-describing data), other (elementwise, reductions,
+                   softmax, ...)
     host_ms        profiled step time minus the ops' self time: the Python between the ops and the dispatcher's
                    bookkeeping (the profiler adds its own cost per op, so profiled steps are slower: the op
                    fractions, not their sum, are what carries over to an unprofiled step)
@@ -34,19 +37,19 @@ from mtp_triton.bench.roofline import roofline_fields  # noqa: E402
 from mtp_triton.bundle import CHAT_PROMPTS, HEADS, SMOLLM2, encode, pick_prompts, read_prompts  # noqa: E402
 from mtp_triton.records import append_rows, env_info, md_table  # noqa: E402
 
-GEMM = ("mm", "linear", "matmul", "mkldnn", "mkl_")
-LAYOUT = ("view", "reshape", "slice", "select", "index", "cat", "copy", "stack", "narrow", "expand", "permute",
-          "transpose", "unsqueeze", "squeeze", "as_strided", "contiguous", "clone", "empty", "split", "unbind",
-          "roll", "pad", "t", "flatten", "alias", "detach", "lift", "to", "_to_copy", "resolve")
+GEMM = ("mm", "addmm", "bmm", "baddbmm", "linear", "matmul", "mkldnn_linear", "_linear_pointwise", "mkl_linear")
+LAYOUT = ("view", "_unsafe_view", "reshape", "slice", "select", "index", "index_select", "index_put_",
+          "_index_put_impl_", "cat", "copy_", "stack", "narrow", "expand", "permute", "transpose", "unsqueeze",
+          "squeeze", "as_strided", "contiguous", "clone", "empty", "empty_like", "empty_strided", "split",
+          "split_with_sizes", "unbind", "roll", "pad", "constant_pad_nd", "t", "flatten", "alias", "detach", "lift",
+          "lift_fresh", "to", "_to_copy", "resolve_conj", "resolve_neg", "new_empty", "zeros", "zeros_like",
+          "full", "fill_", "zero_")
 
 
 def category(op):
-    name = op.split("::")[-1].lstrip("_")
-    if any(k in name for k in GEMM):
-        return "gemm"
-    if name in LAYOUT or any(name.startswith(k) for k in LAYOUT if len(k) > 2):
-        return "layout"
-    return "other"
+    """gemm | layout | other, by the op's exact name (aten::mm, mkldnn::_linear_pointwise, ...)."""
+    name = op.split("::")[-1]
+    return "gemm" if name in GEMM else "layout" if name in LAYOUT else "other"
 
 
 def op_times(fn):
@@ -57,9 +60,13 @@ def op_times(fn):
 
 
 def profile_config(model, prompts, n, eos, kw):
-    """(row fields, {op: (µs per step, calls per step)}) of the decode steps of `prompts`, one at a time."""
-    step_s = steps = decoded = 0.0
-    ops, prof_s = defaultdict(lambda: [0.0, 0]), 0.0
+    """(row fields, {op: (µs per step, calls per step)}) of the decode steps of `prompts`, one at a time.
+
+    step_ms and tau come from unprofiled runs; the op times, op calls and profiled_step_ms from profiled ones, each
+    divided by the profiled runs' own decode steps (a cost-sized MTP run's steps follow its timings, so a run slowed
+    by the profiler may take a different number of steps)."""
+    step_s = steps = decoded = prof_s = prof_steps = 0.0
+    ops = defaultdict(lambda: [0.0, 0])
     for p in prompts:
         s = mt.generate(model, [p], n, eos_token_id=eos, **kw).stats           # unprofiled: the step's wall time
         step_s, steps, decoded = step_s + s.total_s - s.ttft_s, steps + s.steps, decoded + s.new_tokens - 1
@@ -68,16 +75,18 @@ def profile_config(model, prompts, n, eos, kw):
         def run(k):
             timed[k] = mt.generate(model, [p], k, eos_token_id=eos, **kw).stats
         full, first = op_times(lambda: run(n)), op_times(lambda: run(1))
-        prof_s += (timed[n].total_s - timed[n].ttft_s)
+        prof_s += timed[n].total_s - timed[n].ttft_s                   # decode seconds of the profiled run
+        prof_steps += timed[n].steps - timed[1].steps                  # its decode steps (the 1-token run has none)
         for k, (t, c) in full.items():
             ops[k][0] += t - first.get(k, (0.0, 0))[0]
             ops[k][1] += c - first.get(k, (0.0, 0))[1]
-    per = {k: (t / steps, c / steps) for k, (t, c) in ops.items() if t > 0}
+    per = {k: (t / prof_steps, c / prof_steps) for k, (t, c) in ops.items() if t > 0}
     by = defaultdict(float)
     for k, (t, _) in per.items():
         by[category(k)] += t / 1e3
-    prof_ms, ops_ms = 1e3 * prof_s / steps, sum(by.values())
-    fields = dict(steps=int(steps), tau=round(decoded / steps, 3), step_ms=round(1e3 * step_s / steps, 3), profiled_step_ms=round(prof_ms, 3),
+    prof_ms, ops_ms = 1e3 * prof_s / prof_steps, sum(by.values())
+    fields = dict(steps=int(steps), profiled_steps=int(prof_steps), tau=round(decoded / steps, 3),
+                  step_ms=round(1e3 * step_s / steps, 3), profiled_step_ms=round(prof_ms, 3),
                   op_calls=round(sum(c for _, c in per.values()), 1),
                   **{f"{c}_ms": round(by[c], 3) for c in ("gemm", "layout", "other")},
                   host_ms=round(prof_ms - ops_ms, 3), gemm_fraction=round(by["gemm"] / prof_ms, 4))

@@ -90,6 +90,9 @@ def bench_kv_append(full=None, device=None, models=None, batches=None, accept_le
     full (default: CUDA available): GPU_GRID, Llama shapes; otherwise CPU_GRID, the tiny CPU model through the
     interpreter. Any argument overrides its default.
     """
+    unknown = [p for p in providers if p not in PROVIDERS]
+    if unknown:
+        raise ValueError(f"unknown provider(s) {unknown}; choose from {PROVIDERS}")
     device, on_gpu = bench_device(device)
     full = on_gpu if full is None else full
     g = sweep(GPU_GRID if full else CPU_GRID, models=models, batches=batches, accept_lens=accept_lens, T=T)
