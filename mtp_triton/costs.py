@@ -21,9 +21,9 @@ import os
 import torch
 
 from . import tuning
-from .ops import get_ops
+from .ops import cpu_model_and_flags, device_name, get_ops
 from .packed import packs
-from .records import cpu_model_and_flags, device_name, write_json
+from .files import write_json
 from .tree import Tree
 from .version import package_hash
 

@@ -165,7 +165,10 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
     check = dev.type != "cuda"
 
     B = len(prompts)
-    capacities = [len(p) + max_new_tokens + budget for p in prompts]
+    # a step appends at most its verified nodes past a row's length: a fixed tree's `budget`; a dynamic tree is the
+    # union of the rows' own trees (each row keeps up to budget - 1 drafts), up to B (budget - 1) + 1 nodes
+    room = B * (budget - 1) + 1 if dynamic else budget
+    capacities = [len(p) + max_new_tokens + room for p in prompts]
     cache = model.new_cache(capacities, block_size)
     hidden, every = prefill(model, prompts, cache, ops, all_hidden=True)            # [B, D], [B, S, D]
     roots = sampler.choose(model.logits(hidden))                                    # [B] the first new tokens

@@ -48,9 +48,8 @@ import torch
 from torch import nn
 from safetensors.torch import load_file, save
 
-from .cli import one_line
 from .loading import check_finite as check_finite_tensors
-from .records import write_bytes, write_json
+from .files import write_bytes, write_json
 from .tree import Tree
 
 HEADS_FILE, MEDUSA_FILES = "heads.safetensors", ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
@@ -225,7 +224,7 @@ class MTPHeads(nn.Module):
         """Write heads.safetensors + heads.json into the folder `path`; meta goes to heads.json.
 
         Both files are rendered in memory first (metadata that is not JSON raises before any file is touched),
-        then each is written atomically (`records.write_bytes`: temporary file, fsync, os.replace), tensors
+        then each is written atomically (`files.write_bytes`: temporary file, fsync, os.replace), tensors
         first: a full disk or a file-size limit leaves the previous heads byte-identical."""
         if "tree" in meta:
             raise ValueError("MTPHeads.save: set heads.tree to store a tree, not a metadata key")
@@ -284,7 +283,7 @@ def _read(file):
         except Exception as e:        # a corrupted file makes the unpickler raise nearly anything (IndexError, ...)
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise ValueError(f"load_heads: {file} is not a plain state dict of tensors (torch.load(weights_only="
-                             f"True) refused it: {one_line(first)}); the file may be truncated or corrupted, or "
+                             f"True) refused it: {' '.join(str(first).split()) or type(first).__name__}); the file may be truncated or corrupted, or "
                              "hold more than tensors") from None
         if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
             raise ValueError(f"load_heads: {file} must hold a state dict (name -> tensor), got {type(sd).__name__}")

@@ -35,7 +35,7 @@ from torch import nn
 from .heads import _check_token_map
 from .loading import check_finite as check_finite_tensors
 from .model import Block, LlamaEngine, ModelConfig, RMSNorm, apply_rope, rope_inv_freq, rope_tables
-from .records import write_bytes, write_json
+from .files import write_bytes, write_json
 from .heads import load_heads
 
 MODULE_FILE, MODULE_META, FORMAT = "module.safetensors", "module.json", "mtp_triton.module/1"

@@ -14,6 +14,8 @@ ops they run with and never decide it themselves; the compiled set adds `layer` 
 `min_chunks` (its attention plans' smallest chunk count, `invariant.plan`).
 """
 import functools
+import os
+import platform
 import warnings
 from types import SimpleNamespace
 
@@ -22,7 +24,6 @@ import torch
 from . import invariant, reference
 from .compiled import compiled_layer
 from .kernels import KERNELS, interpreter_enabled, launcher
-from .records import cpu_model_and_flags
 
 NAMES = tuple(KERNELS)
 KINDS = ("auto", "torch", "compiled", "triton")
@@ -109,3 +110,33 @@ def get_ops(kernels="auto", device="cpu"):
     if kernels == "compiled":
         return compiled_ops(device)
     return triton_ops(device) if kernels == "triton" else torch_ops()
+
+
+# ---- which machine: the stamp every cost table and row carries ------------------------------------------
+def device_name(device=None):
+    """The GPU's name, or 'CPU <arch> x<cores> (<model>; <bf16 matmul units>)': two CPUs of one architecture can
+    differ several-fold in bf16 matmul speed (AVX-512 BF16 against AMX tiles), so rows keep which one ran."""
+    if torch.cuda.is_available() and (device is None or str(device).startswith("cuda")):
+        return torch.cuda.get_device_name()
+    name = f"CPU {platform.processor() or platform.machine()} x{os.cpu_count()}"
+    model, flags = cpu_model_and_flags()
+    units = [label for flag, label in (("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX-BF16")) if flag in flags]
+    extra = "; ".join(x for x in (model, " ".join(units)) if x)
+    return f"{name} ({extra})" if extra else name
+
+
+def cpu_model_and_flags():
+    """('model name', set of flags) from /proc/cpuinfo (Linux); ('', set()) elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+    except OSError:
+        return "", set()
+    model = flags = ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and not model:
+            model = value.strip()
+        elif key.strip() == "flags" and not flags:
+            flags = value
+    return model, set(flags.split())

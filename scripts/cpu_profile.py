@@ -33,9 +33,9 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mtp_triton as mt  # noqa: E402
-from mtp_triton.bench.roofline import roofline_fields  # noqa: E402
-from mtp_triton.bundle import CHAT_PROMPTS, HEADS, SMOLLM2, encode, pick_prompts, read_prompts  # noqa: E402
-from mtp_triton.records import append_rows, env_info, md_table  # noqa: E402
+from mtp_lab.bench.roofline import roofline_fields  # noqa: E402
+from mtp_lab.bundle import CHAT_PROMPTS, HEADS, SMOLLM2, encode, pick_prompts, read_prompts  # noqa: E402
+from mtp_lab.records import append_rows, env_info, md_table  # noqa: E402
 
 GEMM = ("mm", "addmm", "bmm", "baddbmm", "linear", "matmul", "mkldnn_linear", "_linear_pointwise", "mkl_linear")
 LAYOUT = ("view", "_unsafe_view", "reshape", "slice", "select", "index", "index_select", "index_put_",

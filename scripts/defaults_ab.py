@@ -25,11 +25,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mtp_triton as mt  # noqa: E402
-from mtp_triton.bench.ab import Config, run_prompt, summarise, warm_up  # noqa: E402
-from mtp_triton.bench.common import append_rows, env_info  # noqa: E402
-from mtp_triton.records import md_table  # noqa: E402
-from mtp_triton.bench.hf_baseline import PROMPT_LOOKUP, hf_twin  # noqa: E402
-from mtp_triton.bundle import CHAT_PROMPTS, HEADS, SMOLLM2, encode, pick_prompts, read_prompts  # noqa: E402
+from mtp_lab.bench.ab import Config, run_prompt, summarise, warm_up  # noqa: E402
+from mtp_lab.bench.common import append_rows, env_info  # noqa: E402
+from mtp_lab.records import md_table  # noqa: E402
+from mtp_lab.bench.hf_baseline import PROMPT_LOOKUP, hf_twin  # noqa: E402
+from mtp_lab.bundle import CHAT_PROMPTS, HEADS, SMOLLM2, encode, pick_prompts, read_prompts  # noqa: E402
 
 
 CONFIGS = ("transformers generate", "transformers prompt-lookup", "transformers compiled", "serial", "mtp (defaults)",

@@ -19,11 +19,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mtp_triton.bench.ab import Config, run_prompt, summarise, warm_up  # noqa: E402
-from mtp_triton.bench.common import append_rows, env_info  # noqa: E402
-from mtp_triton.records import md_table  # noqa: E402
-from mtp_triton.bench.hf_baseline import hf_twin  # noqa: E402
-from mtp_triton.bundle import SMOLLM2, encode, load_bundle, pick_prompts, read_prompts  # noqa: E402
+from mtp_lab.bench.ab import Config, run_prompt, summarise, warm_up  # noqa: E402
+from mtp_lab.bench.common import append_rows, env_info  # noqa: E402
+from mtp_lab.records import md_table  # noqa: E402
+from mtp_lab.bench.hf_baseline import hf_twin  # noqa: E402
+from mtp_lab.bundle import SMOLLM2, encode, load_bundle, pick_prompts, read_prompts  # noqa: E402
 
 CONFIGS = ("transformers generate", "serial", "mtp: heads", "mtp: module")
 

@@ -13,11 +13,11 @@
 # end-to-end A/B, the kernel benchmarks, the tables, and last the compile audit (which also runs on any CPU).
 # Writes at most 6 files to $OUT:
 #   gpu_check.log            everything every stage printed, with a status line per stage and a summary
-#   tables/tables.{csv,md,png}   python -m mtp_triton tables (published vs measured, analytic model, phases, HF)
-#   e2e.csv                  python -m mtp_triton.bench.e2e (serial vs MTP at batch 1 and 4, bf16 and fp32, with and
+#   tables/tables.{csv,md,png}   python -m mtp_lab tables (published vs measured, analytic model, phases, HF)
+#   e2e.csv                  python -m mtp_lab.bench.e2e (serial vs MTP at batch 1 and 4, bf16 and fp32, with and
 #                            without the verify step as a CUDA graph, transformers' greedy and prompt-lookup generate)
 #   kernel_bench.tar.gz      the kernel benchmarks' CSV + PNG, the pytest junit XML files and the compile audit's
-#                            aot/aot.{csv,md} (python -m mtp_triton aot --quick, with this machine's Triton)
+#                            aot/aot.{csv,md} (python -m mtp_lab aot --quick, with this machine's Triton)
 # Environment: PYTHON (default python, else python3), OUT (default out/gpu_check), GPU_CHECK_BUDGET_S (default
 # 480 on the GPU, so that a run and a shorter rerun fit a 15-minute lease; 460 for the dry run), GPU_CHECK_ONLY
 # (space-separated stage names: run only those),
@@ -84,7 +84,7 @@ import platform, torch, triton, transformers
 print('python', platform.python_version(), '| torch', torch.__version__, '| triton', triton.__version__,
       '| transformers', transformers.__version__)
 print('cuda', torch.cuda.is_available(), torch.cuda.get_device_name() if torch.cuda.is_available() else '')
-from mtp_triton.bench.common import env_info; print(env_info())"
+from mtp_lab.bench.common import env_info; print(env_info())"
 if [[ $DRY == 0 ]]; then nvidia-smi >>"$LOG" 2>&1 || log "nvidia-smi not available"; fi
 
 # ---- tests: the kernel test files and the exact path's (all their tests, on the GPU), then other gpu tests ----
@@ -107,11 +107,11 @@ fi
 
 # ---- the end-to-end A/B (the headline: serial vs MTP, CUDA graphs on and off, transformers) ----
 if [[ $DRY == 1 ]]; then
-  stage e2e 40 "$PY" -m mtp_triton.bench.e2e --quick --shape llama7b --no-hf --batches 1,2 --out "$OUT/e2e.csv"
+  stage e2e 40 "$PY" -m mtp_lab.bench.e2e --quick --shape llama7b --no-hf --batches 1,2 --out "$OUT/e2e.csv"
 else
   # bf16: the Triton kernels' batch-invariant path (tree_attention's exact variant, 32-row linear pieces), whose MTP
   # must equal its serial, with and without CUDA graphs; then which of the exact mode's premises hold here, per dtype
-  stage e2e-llama7b 120 "$PY" -m mtp_triton.bench.e2e --shape llama7b --batches 1,4 --max-new-tokens 64 \
+  stage e2e-llama7b 120 "$PY" -m mtp_lab.bench.e2e --shape llama7b --batches 1,4 --max-new-tokens 64 \
     --out "$OUT/e2e.csv"
   stage invariance 30 "$PY" -c "
 import torch
@@ -119,17 +119,17 @@ from mtp_triton.invariant import row_invariance
 for dt in (torch.bfloat16, torch.float16, torch.float32):
     print('row_invariance', dt, 'cuda:', row_invariance(dt, 'cuda'))"
   # fp32 at the 7B shape: greedy MTP token-identical to serial and to transformers
-  stage e2e-llama7b-fp32 75 "$PY" -m mtp_triton.bench.e2e --shape llama7b --dtype float32 --batches 1 \
+  stage e2e-llama7b-fp32 75 "$PY" -m mtp_lab.bench.e2e --shape llama7b --dtype float32 --batches 1 \
     --max-new-tokens 64 --out "$OUT/e2e.csv"
-  stage e2e-embedded 40 "$PY" -m mtp_triton.bench.e2e --shape embedded --batches 1,4 --max-new-tokens 64 \
+  stage e2e-embedded 40 "$PY" -m mtp_lab.bench.e2e --shape embedded --batches 1,4 --max-new-tokens 64 \
     --out "$OUT/e2e.csv"
 fi
 
 # ---- the kernel benchmarks, then the tables ----
 BENCHES=()
 for name in drafting tree_attention kv_append kv_layout; do
-  if [[ -f mtp_triton/bench/$name.py ]]; then BENCHES+=("$name")
-  else log "MISSING mtp_triton/bench/$name.py (not written yet): skipped"; fi
+  if [[ -f mtp_lab/bench/$name.py ]]; then BENCHES+=("$name")
+  else log "MISSING mtp_lab/bench/$name.py (not written yet): skipped"; fi
 done
 if [[ $DRY == 1 ]]; then
   # import each benchmark and parse its --help in one process (its GPU sizes cannot run here)
@@ -137,7 +137,7 @@ if [[ $DRY == 1 ]]; then
 import importlib, sys
 for name in sys.argv[1:]:
     try:
-        importlib.import_module('mtp_triton.bench.' + name).main(['--help'])
+        importlib.import_module('mtp_lab.bench.' + name).main(['--help'])
     except SystemExit as e:
         assert e.code in (0, None), (name, e.code)
     print('ok', name)" "${BENCHES[@]}"
@@ -146,15 +146,15 @@ else
     args=(--out "$WORK/kernels/$name.csv" --plot "$WORK/kernels/$name.png")    # every kernel benchmark takes --plot
     if [[ $name == drafting ]]; then
       # torch.compile's compile time must not cost the kernel's own rows: it gets a stage of its own
-      stage bench-drafting 25 "$PY" -m mtp_triton.bench.drafting "${args[@]}" --providers triton-fused,torch-unfused
-      stage bench-drafting-compile 30 "$PY" -m mtp_triton.bench.drafting --out "$WORK/kernels/drafting.csv" \
+      stage bench-drafting 25 "$PY" -m mtp_lab.bench.drafting "${args[@]}" --providers triton-fused,torch-unfused
+      stage bench-drafting-compile 30 "$PY" -m mtp_lab.bench.drafting --out "$WORK/kernels/drafting.csv" \
         --providers torch-compile
     else
       case $name in      # grids cut to fit the stage (each script's full default grid takes minutes)
         tree_attention) args+=(--contexts 1024 8192 --tree-sizes 1 16 64 --batches 1 16) ;;
         kv_append) args+=(--models llama-7b --batches 1 16 --accept-lens 0 4) ;;
       esac
-      stage "bench-$name" 45 "$PY" -m "mtp_triton.bench.$name" "${args[@]}"
+      stage "bench-$name" 45 "$PY" -m "mtp_lab.bench.$name" "${args[@]}"
     fi
   done
 fi

@@ -16,10 +16,10 @@ import sys
 import xml.etree.ElementTree as ET
 from collections import defaultdict
 
-from mtp_triton.bench.ab import PEER
-from mtp_triton.demo import demo_summary
-from mtp_triton.bench.pruning import prune_summary
-from mtp_triton.records import md_table, write_text
+from mtp_lab.bench.ab import PEER
+from mtp_lab.demo import demo_summary
+from mtp_lab.bench.pruning import prune_summary
+from mtp_lab.records import md_table, write_text
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEGIN, END = "<!-- results:begin (scripts/render_readme_results.py) -->", "<!-- results:end -->"
@@ -171,7 +171,7 @@ def sweep_block(path):
     rows = _latest(rows, "run_id") if "run_id" in rows[0] else rows
     rel = os.path.relpath(path, ROOT)
     r0 = rows[0]
-    out = [f"**Depth sweep on SmolLM2** (`{r0.get('command', 'python -m mtp_triton tables')}`; {_stamp(r0)}; CPU, "
+    out = [f"**Depth sweep on SmolLM2** (`{r0.get('command', 'python -m mtp_lab tables')}`; {_stamp(r0)}; CPU, "
            f"bf16, batch 1; rows: `{rel}`; the NPU report's MTP-2/4/8 for Llama-7B on a BM1684 are beside it in "
            f"`{os.path.dirname(rel)}/tables.md`):\n"]
     body = [(r["config"], f"{float(r['tokens_per_s']):.1f}", f"{float(r['ms_per_token']):.1f}",
@@ -215,7 +215,7 @@ def aot_block(path):
         k["shared"] = max(k["shared"], int(r["shared_bytes"] or 0))
         if r["tensor_cores"] not in ("", "none"):
             k["tc"].add(r["tensor_cores"])
-    out = [f"**GPU evidence without a GPU: the ahead-of-time compile audit** (`python -m mtp_triton aot --out "
+    out = [f"**GPU evidence without a GPU: the ahead-of-time compile audit** (`python -m mtp_lab aot --out "
            f"results/aot`; compiled on {r0['device']}, triton {r0['triton']}, ptxas {r0.get('ptxas', '?')}, commit "
            f"{r0['commit']}; {len(rows)} launches; `{rel}`, summary `results/aot/aot.md`). Worst case per kernel "
            "over the launch matrix (Llama-2-7B, Llama-3-8B, Mistral-7B, SmolLM2-135M, Vicuna-7B Medusa heads; "

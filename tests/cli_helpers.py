@@ -1,4 +1,4 @@
-"""Run `python -m mtp_triton ...` as a user would, and check how it refuses bad input."""
+"""Run `python -m mtp_lab ...` as a user would, and check how it refuses bad input."""
 import os
 import subprocess
 import sys
@@ -8,10 +8,10 @@ TINY = os.path.join(ROOT, "data", "tiny-stdlib-llama")
 
 
 def run_cli(*args, timeout=300, cwd=ROOT, env=None):
-    """CompletedProcess (text) of `python -m mtp_triton *args`, without the interpreter flag of the test run."""
+    """CompletedProcess (text) of `python -m mtp_lab *args`, without the interpreter flag of the test run."""
     env = dict({k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MTP_TRITON_TRACEBACK")},
                **(env or {}))
-    return subprocess.run([sys.executable, "-m", "mtp_triton", *map(str, args)], cwd=cwd, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "mtp_lab", *map(str, args)], cwd=cwd, capture_output=True,
                           text=True, errors="replace", timeout=timeout, env=env)
 
 

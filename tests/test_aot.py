@@ -1,4 +1,4 @@
-"""The ahead-of-time compile audit (`python -m mtp_triton aot`): the quick audit end to end in a subprocess (without
+"""The ahead-of-time compile audit (`python -m mtp_lab aot`): the quick audit end to end in a subprocess (without
 the interpreter this test process runs under), and its pieces: byte formulas, occupancy and waves, the exit rule,
 the parsers of ptxas / cuobjdump output."""
 import csv
@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from mtp_triton.aot import report
-from mtp_triton.aot.cubin import count_sass_ops, issue_cycles, parse_ptxas_log, parse_res_usage, sass_structure
-from mtp_triton.aot.driver import TensorInfo
-from mtp_triton.aot.hardware import ARCHS, PRODUCTS, blocks_per_sm, waves
-from mtp_triton.aot.launches import Case, matrix
-from mtp_triton.aot.traffic import MIN_BYTES, floor_us, min_bytes
+from mtp_lab.aot import report
+from mtp_lab.aot.cubin import count_sass_ops, issue_cycles, parse_ptxas_log, parse_res_usage, sass_structure
+from mtp_lab.aot.driver import TensorInfo
+from mtp_lab.aot.hardware import ARCHS, PRODUCTS, blocks_per_sm, waves
+from mtp_lab.aot.launches import Case, matrix
+from mtp_lab.aot.traffic import MIN_BYTES, floor_us, min_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,7 +38,7 @@ def _env_without_interpreter():
 @pytest.fixture(scope="module")
 def quick_audit(tmp_path_factory):
     out = tmp_path_factory.mktemp("aot")
-    proc = subprocess.run([sys.executable, "-m", "mtp_triton", "aot", "--quick", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "mtp_lab", "aot", "--quick", "--out", str(out)],
                           cwd=ROOT, env=_env_without_interpreter(), capture_output=True, text=True, timeout=600)
     with open(out / "aot.csv", newline="") as f:
         rows = list(csv.DictReader(f))
@@ -66,7 +66,7 @@ def test_quick_audit_compiles_every_kernel_for_every_target(quick_audit):
     assert all(r["floor_us_H100"] and r["floor_us_H200"] and not r["floor_us_A100"] for r in sm90)
     # the exit status is the rule applied to the rows it wrote
     assert proc.returncode == report.exit_status(rows), proc.stdout + proc.stderr
-    assert "python -m mtp_triton aot --quick --out" in md and "## Verdict" in md
+    assert "python -m mtp_lab aot --quick --out" in md and "## Verdict" in md
     assert ("FAIL" in md) == bool(report.failures(rows))
     # the features the launchers grew: per-head LM heads, a draft vocabulary, a sliding window, run-time splits
     cases = {r["case"] for r in rows}
@@ -294,7 +294,7 @@ def test_baseline_section_compares_variants_on_common_calls():
 
 def test_worker_refuses_the_interpreter(tmp_path):
     env = {**_env_without_interpreter(), "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "mtp_triton.aot.worker", "--targets", "sm_90", "--rows",
+    proc = subprocess.run([sys.executable, "-m", "mtp_lab.aot.worker", "--targets", "sm_90", "--rows",
                            str(tmp_path / "r.json")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "TRITON_INTERPRET" in proc.stderr
     assert not (tmp_path / "r.json").exists()

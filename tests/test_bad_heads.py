@@ -2,7 +2,7 @@
 field or tensor) and what is wrong; a failed save leaves the previous heads byte-identical; the default tree fits
 heads of any depth.
 
-The CLI cases run `python -m mtp_triton generate` on the tiny model with a bad --heads folder, and check for one
+The CLI cases run `python -m mtp_lab generate` on the tiny model with a bad --heads folder, and check for one
 `error:` line and exit status 2 (tests/cli_helpers.py).
 """
 import json

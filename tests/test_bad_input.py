@@ -55,7 +55,7 @@ def test_bad_eos_token_id_is_refused(model, bad):
 
 def _cli(*args):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return subprocess.run([sys.executable, "-m", "mtp_triton", "generate", "--model", TINY, *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "mtp_lab", "generate", "--model", TINY, *args], cwd=ROOT,
                           capture_output=True, timeout=300, env=env)
 
 
@@ -73,7 +73,7 @@ def test_cli_refuses_invalid_utf8_prompt():
 
 def test_cli_reports_a_missing_model_without_traceback():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-m", "mtp_triton", "generate", "--model", "/no/such/model", "--prompt", "x"],
+    r = subprocess.run([sys.executable, "-m", "mtp_lab", "generate", "--model", "/no/such/model", "--prompt", "x"],
                        cwd=ROOT, capture_output=True, timeout=300, env=env)
     err = r.stderr.decode()
     assert r.returncode == 2 and "error:" in err and "Traceback" not in err
@@ -156,7 +156,7 @@ def test_bad_block_size_is_refused(model, bad):
 
 
 def test_heads_of_another_hidden_size_are_refused_by_name(tmp_path):
-    from mtp_triton.bundle import load_bundle
+    from mtp_lab.bundle import load_bundle
     D = mt.load_model(TINY).config.hidden_size
     mt.MTPHeads(2, D + 8).save(str(tmp_path / "heads"))
     with pytest.raises(ValueError, match="hidden state of size"):

@@ -12,8 +12,8 @@ import pytest
 from bench_helpers import EMBEDDED, ROOT, child_env, default_sigint, read_csv
 
 import mtp_triton as mt
-from mtp_triton.bench import common
-from mtp_triton.bundle import pick_tree
+from mtp_lab.bench import common
+from mtp_lab.bundle import pick_tree
 from mtp_triton.tree import get_tree
 
 
@@ -51,7 +51,7 @@ def test_append_rows_to_a_file_without_a_final_newline_rewrites_it(tmp_path):
 # ---- append_rows: interrupted and failed writes ----
 INTERRUPT_MID_ROW = textwrap.dedent(r"""
     import os, signal, sys, time
-    from mtp_triton.bench.common import append_rows
+    from mtp_lab.bench.common import append_rows
 
     class SigintWhenWritten:                       # the csv writer calls str() on it while the rows are written
         def __str__(self):
@@ -81,7 +81,7 @@ def test_sigint_during_append_leaves_the_file_byte_identical(tmp_path, column):
 
 APPEND_FOREVER = textwrap.dedent(r"""
     import sys
-    from mtp_triton.bench.common import append_rows
+    from mtp_lab.bench.common import append_rows
     path, k = sys.argv[1], 0
     while True:                                    # batches of 500 rows; every 3rd batch adds a column
         extra = {f"col{k}": "z"} if k % 3 == 2 else {}
@@ -121,7 +121,7 @@ def test_sigint_at_any_moment_keeps_whole_batches(tmp_path, delay):
 
 FILL_THE_DISK = textwrap.dedent(r"""
     import sys
-    from mtp_triton.bench.common import append_rows
+    from mtp_lab.bench.common import append_rows
     path, column = sys.argv[1], sys.argv[2]
     append_rows(path, [{"i": k, "name": f"new {k}", column: "y" * 900} for k in range(64)])
 """)
@@ -209,9 +209,9 @@ print(json.dumps(sorted(k for k in set(before) | set(os.environ) if before.get(k
 """
 
 
-@pytest.mark.parametrize("module", ["mtp_triton.bench.drafting", "mtp_triton.bench.tree_attention",
-                                    "mtp_triton.bench.kv_append", "mtp_triton.bench.evaluate",
-                                    "mtp_triton.bench.tables"])
+@pytest.mark.parametrize("module", ["mtp_lab.bench.drafting", "mtp_lab.bench.tree_attention",
+                                    "mtp_lab.bench.kv_append", "mtp_lab.bench.evaluate",
+                                    "mtp_lab.bench.tables"])
 def test_bench_import_changes_no_environment(module):
     env = dict(child_env(), CUDA_VISIBLE_DEVICES="")
     p = subprocess.run([sys.executable, "-c", PROBE, module], capture_output=True, text=True, env=env, timeout=120)
@@ -223,7 +223,7 @@ def test_kernel_bench_cli_without_a_gpu_switches_to_the_interpreter(tmp_path):
     """kv_append imports its kernel at the top, so main() re-runs itself with TRITON_INTERPRET=1."""
     out = tmp_path / "a.csv"
     env = dict(child_env(), CUDA_VISIBLE_DEVICES="")
-    p = subprocess.run([sys.executable, "-m", "mtp_triton.bench.kv_append", "--out", str(out), "--models", "tiny-cpu",
+    p = subprocess.run([sys.executable, "-m", "mtp_lab.bench.kv_append", "--out", str(out), "--models", "tiny-cpu",
                         "--batches", "1", "--accept-lens", "0"], capture_output=True, text=True, env=env,
                        cwd=ROOT, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]

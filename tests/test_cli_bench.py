@@ -3,7 +3,7 @@ a second run on the same --out is refused while the first holds it."""
 import pytest
 
 from cli_helpers import TINY, assert_refused, run_cli
-from mtp_triton.records import output_lock
+from mtp_lab.records import output_lock
 
 
 @pytest.mark.parametrize("args, words", [

@@ -42,7 +42,7 @@ def _numeric_actions(parser, where):
 def test_every_numeric_flag_has_a_checked_type():
     """No number is parsed by bare int() / float(): each flag says what range it takes (cli.int_at_least /
     cli.float_in), so `--steps -3`, `--batch 0` or `--lr nan` never reach the recipe."""
-    from mtp_triton import aot, train_heads
+    from mtp_lab import aot, train_heads
     found = list(_numeric_actions(train_heads.build_parser(), "train_heads")) + list(
         _numeric_actions(aot.build_parser(), "aot"))
     assert len(found) > 40
@@ -100,22 +100,22 @@ def test_aot_refuses_an_existing_file_as_out_before_compiling(tmp_path):
 
 
 # ---- atomic writes (issue item 1) -----------------------------------------------------------------------------
-OWNED = ["mtp_triton/train_heads.py", "mtp_triton/corpus.py", "scripts/render_readme_results.py",
+OWNED = ["mtp_lab/train_heads.py", "mtp_lab/corpus.py", "scripts/render_readme_results.py",
          "data/smollm2-135m-instruct-heads/make_card.py", "data/smollm2-135m-instruct-mtp/make_card.py",
          "data/tiny-stdlib-llama/make_card.py",
          "data/chat/make_prompts.py", "data/scenarios/make_scenarios.py"] + [
-    f"mtp_triton/{d}/{f}" for d in ("training", "aot") for f in sorted(os.listdir(os.path.join(ROOT, "mtp_triton", d)))
+    f"mtp_lab/{d}/{f}" for d in ("training", "aot") for f in sorted(os.listdir(os.path.join(ROOT, "mtp_lab", d)))
     if f.endswith(".py")]
 # open(..., "w"/"wb"/"x"), torch.save(, json.dump( and savefig(path) straight to a file (savefig into a buffer names
 # its format=); transformers' save_pretrained of a model folder is the library's own
 NON_ATOMIC = re.compile(r"""open\([^)]*["'](?:w|wb|x|xb|w\+)["']|torch\.save\(|json\.dump\(|\.savefig\((?![^)]*format=)""")
 # files written on purpose another way: tool inputs in a temporary folder (cubin.py); append-only JSONL logs whose
 # torn last line a rerun skips and redoes (answers.py, self_prompts.py open with "a", not matched above)
-ALLOWED = {"mtp_triton/aot/cubin.py": 2}
+ALLOWED = {"mtp_lab/aot/cubin.py": 2}
 
 
 def test_outputs_go_through_the_one_atomic_writer():
-    """Every file these modules write goes through mtp_triton.records (temporary file, fsync, os.replace)."""
+    """Every file these modules write goes through mtp_lab.records (temporary file, fsync, os.replace)."""
     found = {}
     for rel in OWNED:
         with open(os.path.join(ROOT, rel), encoding="utf-8") as f:
@@ -127,8 +127,8 @@ def test_outputs_go_through_the_one_atomic_writer():
 
 WRITERS = r'''
 import json, os, sys, torch
-from mtp_triton.aot import report
-from mtp_triton.training import loop, retree
+from mtp_lab.aot import report
+from mtp_lab.training import loop, retree
 from mtp_triton.tree import Tree
 d = sys.argv[1]
 def curve(folder):

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import mtp_triton as mt
-from mtp_triton.training import distill, replay
-from mtp_triton.training.answers import write_answers
+from mtp_lab.training import distill, replay
+from mtp_lab.training.answers import write_answers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "data", "tiny-stdlib-llama")
@@ -95,7 +95,7 @@ def test_simulated_tau_matches_real_decoding(tiny, inputs):
 
 
 def test_tiny_distill_run_end_to_end(tmp_path):
-    from mtp_triton.train_heads import main
+    from mtp_lab.train_heads import main
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(dict(id=f"p{i}", category="code", text=t)) + "\n"
                                for i, t in enumerate(TEXTS)))
@@ -223,7 +223,7 @@ def test_simulated_tau_is_exact_for_a_bf16_engine_on_the_cpu(tmp_path):
 def test_retree_chooses_and_stores_a_tree_without_touching_the_weights(tmp_path, tiny):
     """`train_heads retree`: answers of the tuning sets choose the tree (tree_from_ranks + the speed rule), tau is
     reported on every set, heads.json gets the tree and table, heads.safetensors stays byte-identical."""
-    from mtp_triton.train_heads import main
+    from mtp_lab.train_heads import main
     model, _, _, rows = tiny
     heads = reading_heads(mt.load_heads(os.path.join(TINY, "heads")), token_inputs=1)
     heads.token_map = distill.draft_vocab(rows, 256)
@@ -263,7 +263,7 @@ def test_retree_chooses_and_stores_a_tree_without_touching_the_weights(tmp_path,
 def test_retree_guard_compares_prompt_texts_not_file_names():
     """A tuning set is refused when it shares a prompt with a protected set, however the prompt is cased or spaced
     and whatever the files are called; sets with no prompt in common pass, and the message names both files."""
-    from mtp_triton.training.retree import prompt_hash, refuse_protected_prompts
+    from mtp_lab.training.retree import prompt_hash, refuse_protected_prompts
     held = {"held.jsonl": [dict(id="h1", text="How do I sort a list?"), dict(id="h2", text="Write a poem.")]}
     assert prompt_hash("  HOW do i\n sort a  LIST?") == prompt_hash("How do I sort a list?")
     assert prompt_hash("Straße") == prompt_hash("STRASSE")                     # case-folded, not only lower-cased

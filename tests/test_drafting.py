@@ -493,8 +493,8 @@ def test_llama_shapes_per_head_and_draft_vocab_bf16_gpu():
 def test_bench_rows_and_plot(tmp_path):
     """The benchmark runs at a tiny size, stamps every row with env_info(), checks itself against the reference,
     and plots from the rows (also after a CSV round trip)."""
-    from mtp_triton.bench import drafting as bench
-    from mtp_triton.bench.common import append_rows, read_rows
+    from mtp_lab.bench import drafting as bench
+    from mtp_lab.bench.common import append_rows, read_rows
 
     rows = bench.run(shapes=[(1, 2, 40, 203)], top_k=4, dtype=torch.float32,
                      providers=["triton-fused", "torch-unfused"])

@@ -1,4 +1,4 @@
-"""No lost results in `python -m mtp_triton eval`: rows are written as requests finish, so a real SIGINT or a full
+"""No lost results in `python -m mtp_lab eval`: rows are written as requests finish, so a real SIGINT or a full
 disk (`ulimit -f`) leaves the earlier results byte for byte and keeps the finished requests; --resume skips them;
 a bad --out, a broken checkpoint or a bad count fails at once with one `error:` line.
 
@@ -14,9 +14,9 @@ import time
 import pytest
 from bench_helpers import EMBEDDED, ROOT, child_env, default_sigint, read_csv
 
-from mtp_triton.__main__ import main as cli
-from mtp_triton.bench import eval_harness
-from mtp_triton.bench import evaluate as ev
+from mtp_lab.__main__ import main as cli
+from mtp_lab.bench import eval_harness
+from mtp_lab.bench import evaluate as ev
 
 QUICK = ["--model", EMBEDDED, "--quick", "--scenarios", "short_completion", "--no-edge", "--no-progress"]
 
@@ -50,7 +50,7 @@ def test_sigint_during_a_long_run_keeps_the_finished_requests(earlier, tmp_path)
     out, before = copy_of(earlier, tmp_path)
     csv_path = os.path.join(out, "eval.csv")
     n_before = len(read_csv(csv_path))
-    p = subprocess.Popen([sys.executable, "-m", "mtp_triton", "eval", *QUICK, "--long-run", "1000000", "--out", out],
+    p = subprocess.Popen([sys.executable, "-m", "mtp_lab", "eval", *QUICK, "--long-run", "1000000", "--out", out],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=ROOT,
                          preexec_fn=default_sigint)
     try:
@@ -88,7 +88,7 @@ def test_full_disk_keeps_the_earlier_results_byte_identical(earlier, tmp_path):
     per_row = len(before) / (n_before + 1)
     blocks = -int(-(len(before) + 2.5 * per_row) // 1024)                   # room for one A/B pair, maybe two
 
-    cmd = [sys.executable, "-m", "mtp_triton", "eval", *QUICK, "--long-run", "400", "--out", out]
+    cmd = [sys.executable, "-m", "mtp_lab", "eval", *QUICK, "--long-run", "400", "--out", out]
     p = subprocess.run(["bash", "-c", f"ulimit -f {blocks} && exec \"$@\"", "bash", *cmd], capture_output=True,
                        text=True, env=child_env(), cwd=ROOT, timeout=300)
     assert p.returncode == 2 and "File too large" in p.stderr and "--resume" in p.stderr, p.stderr[-3000:]
@@ -211,7 +211,7 @@ def test_unwritable_out_fails_before_any_compute(tmp_path, capsys, monkeypatch):
 
 
 def test_tables_unwritable_out_fails_before_any_compute(tmp_path, capsys, monkeypatch):
-    from mtp_triton.bench import e2e, tables
+    from mtp_lab.bench import e2e, tables
     monkeypatch.setattr(e2e, "load_target", lambda *a, **kw: pytest.fail("measured something"))
     taken = tmp_path / "taken"
     taken.write_text("a file")

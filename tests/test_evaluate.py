@@ -15,8 +15,8 @@ import torch
 
 import mtp_triton as mt
 import mtp_triton.reference as reference
-from mtp_triton.__main__ import main as cli
-from mtp_triton.bench import evaluate as ev
+from mtp_lab.__main__ import main as cli
+from mtp_lab.bench import evaluate as ev
 from mtp_triton.costs import StepCosts
 from mtp_triton.generate import prefill
 from mtp_triton.ops import get_ops
@@ -246,7 +246,7 @@ def test_edge_inputs(loaded):
 
 def test_edge_section_flags_a_swallowed_error(loaded, monkeypatch):
     """If the engine silently accepted an empty prompt, the edge section must report it."""
-    from mtp_triton.bench import eval_harness                           # the harness's sections call its generate
+    from mtp_lab.bench import eval_harness                           # the harness's sections call its generate
     model, heads, tok = loaded
     real = eval_harness.generate
 
@@ -376,7 +376,7 @@ def test_the_scenario_set_follows_the_chat_template(loaded, chat_tok):
 
 
 def test_chat_items_render_with_the_template(loaded, chat_tok):
-    from mtp_triton import bundle
+    from mtp_lab import bundle
     one = {"id": "x", "messages": [{"role": "user", "content": "What is the largest ocean?"}]}
     assert ev.prompt_ids(chat_tok, one) == bundle.encode(chat_tok, "What is the largest ocean?")   # the demo's ids
     item = ev.load_scenarios(("multi_turn",), 1, CHAT_DIR)["multi_turn"][0]
@@ -404,7 +404,7 @@ def test_eval_on_a_chat_model_runs_the_chat_set(loaded, chat_tok):
 
 def test_edge_at_the_context_limit_is_skipped_on_cpu_for_long_contexts(loaded, monkeypatch, tmp_path):
     """A context over FULL_CONTEXT_CPU: the case is recorded as not run (no failure) unless asked for."""
-    from mtp_triton.bench import eval_harness
+    from mtp_lab.bench import eval_harness
     model, heads, tok = loaded
     monkeypatch.setattr(eval_harness, "FULL_CONTEXT_CPU", 100)                   # the tiny model's 256 is "long"
     sc = ev.load_scenarios(("short_completion",), 1)

@@ -8,7 +8,7 @@ from safetensors.torch import save_file
 
 from conftest import assert_close
 from mtp_triton.heads import MTPHeads, init_heads, load_heads
-from mtp_triton.train_heads import build_llama, head_z
+from mtp_lab.train_heads import build_llama, head_z
 
 
 @pytest.fixture(scope="module")

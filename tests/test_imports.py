@@ -86,12 +86,13 @@ print("KIND", mt.ops.get_ops("triton", "cpu").kind)
 
 
 def _import_graph():
-    """{module: modules of the package it imports}, from every import statement (function-level ones included)."""
+    """{module: modules of the package or the lab it imports}, from every import statement (function-level ones
+    included), over mtp_triton/ and mtp_lab/."""
     import ast
     from pathlib import Path
-    root = Path(__file__).resolve().parents[1] / "mtp_triton"
-    names = {".".join(p.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__"): p
-             for p in root.rglob("*.py")}
+    repo = Path(__file__).resolve().parents[1]
+    names = {".".join(p.relative_to(repo).with_suffix("").parts).removesuffix(".__init__"): p
+             for top in ("mtp_triton", "mtp_lab") for p in (repo / top).rglob("*.py")}
     graph = {}
     for name, path in names.items():
         pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
@@ -108,11 +109,14 @@ def _import_graph():
     return graph
 
 
-def test_no_import_circles_and_bench_only_from_the_command_lines():
-    """No module of the package reaches itself through its imports (the package's own __init__ aside: it
-    re-exports), and only the command lines (demo, __main__) import bench/ from outside it."""
+def test_no_import_circles_and_the_package_never_imports_the_lab():
+    """No module reaches itself through its imports (a package's own __init__ aside: it re-exports); nothing in
+    mtp_triton/ imports mtp_lab/ (not even by name through importlib); and only the command lines (demo,
+    __main__) import the lab's bench/ from outside it."""
+    from pathlib import Path
     graph = _import_graph()
-    inner = {m: {t for t in ts if t != "mtp_triton"} for m, ts in graph.items() if m != "mtp_triton"}
+    inner = {m: {t for t in ts if t not in ("mtp_triton", "mtp_lab")} for m, ts in graph.items()
+             if m not in ("mtp_triton", "mtp_lab")}
     for start in inner:
         seen, todo = set(), list(inner[start])
         while todo:
@@ -121,6 +125,11 @@ def test_no_import_circles_and_bench_only_from_the_command_lines():
             if m not in seen:
                 seen.add(m)
                 todo += inner.get(m, ())
-    outside = {m for m, ts in graph.items() if not m.startswith("mtp_triton.bench") and
-               any(t.startswith("mtp_triton.bench") for t in ts)}
-    assert outside <= {"mtp_triton.demo", "mtp_triton.__main__"}, outside
+    up = {m: sorted(t for t in ts if t.startswith("mtp_lab")) for m, ts in graph.items() if m.startswith("mtp_triton")}
+    assert not any(up.values()), {m: ts for m, ts in up.items() if ts}
+    package = Path(__file__).resolve().parents[1] / "mtp_triton"
+    named = [str(p.relative_to(package)) for p in package.rglob("*.py") if "mtp_lab" in p.read_text()]
+    assert not named, f"package files that name the lab: {named}"
+    outside = {m for m, ts in graph.items() if not m.startswith("mtp_lab.bench") and
+               any(t.startswith("mtp_lab.bench") for t in ts)}
+    assert outside <= {"mtp_lab.demo", "mtp_lab.__main__"}, outside

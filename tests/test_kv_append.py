@@ -304,7 +304,7 @@ def test_check_returns_tokens_to_write():
 # ---------------------------------------------------------------- layout experiment and benchmarks
 
 def test_layouts_are_bijective_and_triton_copy_matches_torch():
-    from mtp_triton.bench import kv_layout as K
+    from mtp_lab.bench import kv_layout as K
     B, cap, n = 3, 48, 9
     start = torch.tensor([0, 5, 39], dtype=torch.int32, device=DEVICE)
     for name in K.LAYOUTS:
@@ -326,9 +326,9 @@ def test_layouts_are_bijective_and_triton_copy_matches_torch():
 
 
 def test_benchmarks_produce_stamped_rows(tmp_path):
-    from mtp_triton.bench import kv_append as bench_append
-    from mtp_triton.bench import kv_layout as bench_layout
-    from mtp_triton.bench.common import read_rows
+    from mtp_lab.bench import kv_append as bench_append
+    from mtp_lab.bench import kv_layout as bench_layout
+    from mtp_lab.bench.common import read_rows
     rows = bench_append.bench_kv_append(full=False, device=DEVICE, batches=(2,), accept_lens=(1,), T=4)
     assert {r["provider"] for r in rows} == set(bench_append.PROVIDERS)
     assert all(r["device"] and r["torch"] and r["gbps"] > 0 for r in rows)
@@ -349,7 +349,7 @@ def test_benchmarks_produce_stamped_rows(tmp_path):
 
 
 def test_per_layer_baselines_match_reference():
-    from mtp_triton.bench.kv_append import per_layer_append, vectorized_append
+    from mtp_lab.bench.kv_append import per_layer_append, vectorized_append
     case = make_case(L=3, BS=4, Hkv=2, Dh=5, T=6, cache_lens=[2, 9], accept_len=[5, 1])
     check_append(case, lambda a: per_layer_append(*a))
     check_append(case, lambda a: vectorized_append(*a))

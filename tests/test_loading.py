@@ -304,8 +304,8 @@ def test_smollm2_bf16_mtp_equals_serial_past_32_matmul_rows(smol):
 def test_smollm2_writes_its_own_prompts(smol, tmp_path):
     """Magpie-style: handed its chat template up to a user turn, the real model writes user messages; both the
     transformers and the engine sampler produce kept, template-free prompts that round-trip as user turns."""
-    from mtp_triton.bundle import chat_ids
-    from mtp_triton.training.self_prompts import keep, turn_prefix, write_self_prompts
+    from mtp_lab.bundle import chat_ids
+    from mtp_lab.training.self_prompts import keep, turn_prefix, write_self_prompts
     model, tok, hf, _ = smol
     pre = turn_prefix(tok)
     assert pre.endswith("<|im_start|>user\n")

@@ -20,14 +20,15 @@ def model():
     return mt.LlamaEngine.from_hf(make_hf("gqa-hd16-v203-untied-L2"))
 
 
-def random_module(model, seed=0, token_map=None, **draft):
-    """A module with random (not identity-like) weights, so its drafts disagree with the model now and then."""
+def random_module(model, seed=0, token_map=None, scale=0.3, **draft):
+    """A module with random (not identity-like) weights, so its drafts disagree with the model now and then (more
+    often, and with trees of other shapes from row to row, the larger `scale`)."""
     m = MTPModule.from_target(model, token_map, draft or None).to(model.dtype)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in m.parameters():
             if p.dim() == 2:
-                p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.3 / p.shape[1] ** 0.5)
+                p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale / p.shape[1] ** 0.5)
     return m.eval()
 
 
@@ -78,6 +79,21 @@ def test_greedy_is_serial(model, runtime):
     res = mt.generate(model, PROMPTS, 30, heads=mod, runtime=runtime)
     assert res.tokens == serial
     assert res.stats.verified_nodes_per_step <= 9
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("batch", [1, 2, 4, 6])
+def test_batches_verify_the_union_of_the_rows_trees(model, dtype, batch):
+    """At batch B the step verifies the union of the rows' dynamic trees, up to B (nodes - 1) + 1 nodes: the cache
+    has room for it (one-token blocks, so no rounding hides a short cache), and the output is the serial one for
+    prompts of mixed lengths. (Before the cache was sized for `nodes`, this raised 'block_table has room for ...'.)"""
+    m = model if dtype == torch.float32 else mt.LlamaEngine.from_hf(make_hf("gqa-hd16-v203-untied-L2"), dtype=dtype)
+    prompts = (PROMPTS + [[100, 3, 64], [150, 151, 2, 9, 44, 45, 46], [199]])[:batch]
+    serial = mt.generate(m, prompts, 12, mtp=False, block_size=1).tokens
+    mod = random_module(m, scale=3.0, depth=3, top_k=4, beam=2, nodes=9)
+    res = mt.generate(m, prompts, 12, drafter=ModuleDrafter(mod, m, mt.ops.get_ops("torch", m.device)),
+                      runtime=dict(size_by_cost=False), block_size=1)
+    assert res.tokens == serial
 
 
 def test_the_module_accepts_where_it_predicts_well(model):
@@ -214,7 +230,7 @@ def test_the_training_recipe_runs_end_to_end(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     info = json.load(open(out / "records" / "train_mtp.json"))
     assert info["steps"] == 3 and info["rows"] == 5 and len(info["val_accuracy_by_depth"]) == 4
-    assert info["command"].startswith("python -m mtp_triton train_heads mtp")
+    assert info["command"].startswith("python -m mtp_lab train_heads mtp")
     assert (out / "records" / "train_mtp_curve.csv").exists()
     mod = mt.load_drafter(str(out))
     assert isinstance(mod, MTPModule) and mod.meta["recipe"] == "mtp"

@@ -43,11 +43,11 @@ def test_committed_outputs_come_from_this_package(path):
     """The package files the lesson ran (hashed in its metadata by scripts/run_notebooks.py) are unchanged: re-run
     a lesson after changing code it imports (python scripts/run_notebooks.py NN)."""
     import nbformat
-    from mtp_triton.version import changed_files
+    from mtp_lab.provenance import changed_files
 
     nb = nbformat.read(path, as_version=4)
     code = nb.metadata.get("mtp_triton", {}).get("code")
-    assert code and "__init__.py" in code, (f"{path.name} has no record of the code it ran: run "
+    assert code and "mtp_triton/__init__.py" in code, (f"{path.name} has no record of the code it ran: run "
                                             f"python scripts/run_notebooks.py {path.name[:2]}")
     changed = changed_files(code)
     assert not changed, (f"{path.name} ran other package code: {', '.join(changed)} changed since; re-run "
@@ -58,9 +58,13 @@ def test_code_manifest_and_changed_files(tmp_path):
     """The manifest lists the package's imported files only; changed_files names an edited or deleted file."""
     import sys
 
-    import mtp_triton.version as v
+    import mtp_lab.provenance as v
+    import mtp_triton.version
 
-    assert v.code_manifest({"mtp_triton.version": v, "os": sys.modules["os"]}) == {"version.py": v.file_hash("version.py")}
+    assert v.code_manifest({"mtp_triton.version": mtp_triton.version, "mtp_lab.provenance": v,
+                            "os": sys.modules["os"]}) == {
+        "mtp_lab/provenance.py": v.file_hash("mtp_lab/provenance.py", v.ROOT),
+        "mtp_triton/version.py": v.file_hash("mtp_triton/version.py", v.ROOT)}
     (tmp_path / "a.py").write_text("x = 1\n")
     (tmp_path / "b.py").write_text("y = 2\n")
     manifest = {n: v.file_hash(n, str(tmp_path)) for n in ("a.py", "b.py")}

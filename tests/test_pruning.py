@@ -143,11 +143,11 @@ def test_pruning_with_the_policy_and_bad_combinations(case):
 
 
 def test_prune_command_on_the_tiny_model(tmp_path, capsys):
-    """`python -m mtp_triton prune` end to end (the tiny model, short): rows for every prompt and configuration, all
+    """`python -m mtp_lab prune` end to end (the tiny model, short): rows for every prompt and configuration, all
     identical to serial; a bad threshold is refused before any compute."""
     import csv
-    from mtp_triton.bundle import EMBEDDED
-    from mtp_triton.bench.pruning import main
+    from mtp_lab.bundle import EMBEDDED
+    from mtp_lab.bench.pruning import main
     out = tmp_path / "prune"
     args = ["--model", EMBEDDED, "--per-category", "1", "--max-new-tokens", "6", "--out", str(out)]
     assert main(args + ["--thresholds", "0.05,0.5"]) == 0
@@ -164,8 +164,8 @@ def test_prune_keeps_finished_prompts_on_ctrl_c_and_resumes(tmp_path, monkeypatc
     with one line saying how to go on; --resume then runs only the 2nd and 3rd prompts."""
     import csv
     import json
-    from mtp_triton.bench import ab, pruning
-    from mtp_triton.bundle import EMBEDDED
+    from mtp_lab.bench import ab, pruning
+    from mtp_lab.bundle import EMBEDDED
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps(dict(text=f"def f{k}(x):", category=f"c{k}")) + "\n" for k in range(3)))
     out = tmp_path / "prune"

@@ -15,7 +15,7 @@ def test_results_block_matches_recorded_rows():
 
 def test_quickstart_commands():
     text = (ROOT / "README.md").read_text()
-    assert "bash scripts/setup.sh && .venv/bin/python -m mtp_triton demo" in text
+    assert "bash scripts/setup.sh && .venv/bin/python -m mtp_lab demo" in text
     assert "bash scripts/test.sh" in text
     assert "exec bash scripts/test.sh" in (ROOT / ".ci" / "run").read_text()
 

@@ -1,4 +1,4 @@
-"""Results CSVs that survive a torn last row and concurrent writers (mtp_triton.records.append_rows / read_rows):
+"""Results CSVs that survive a torn last row and concurrent writers (mtp_lab.records.append_rows / read_rows):
 a row cut mid-line (kill -9, a power loss) is never read back as a finished row nor padded into one, and two
 processes appending to one CSV, one of them growing the header, lose no row of either."""
 import os
@@ -8,7 +8,7 @@ import textwrap
 
 from bench_helpers import child_env, read_csv
 
-from mtp_triton import records
+from mtp_lab import records
 
 
 def whole_file(path, n=3):
@@ -73,7 +73,7 @@ def test_kept_rows_reuse_whole_units_only():
 # ---- two writers on one CSV ----
 WRITER = textwrap.dedent(r"""
     import sys
-    from mtp_triton.records import append_rows
+    from mtp_lab.records import append_rows
     path, who, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
     for k in range(n):
         extra = {f"{who}{k}": "z"} if who == "B" else {}          # B grows the header with every batch

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from mtp_triton.training import self_prompts as sp
+from mtp_lab.training import self_prompts as sp
 
 
 def test_filters_drop_cut_off_looping_short_and_duplicate_turns():

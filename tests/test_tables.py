@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import mtp_triton as mt
-from mtp_triton.bench import ab, e2e, profile_step, tables
-from mtp_triton.bench.ab import SERIAL, Config, run_prompts
+from mtp_lab.bench import ab, e2e, profile_step, tables
+from mtp_lab.bench.ab import SERIAL, Config, run_prompts
 from mtp_triton.tree import Tree
 from mtp_triton.tuning import step_cost
 from hf_models import make_hf

@@ -12,11 +12,11 @@ import sysconfig
 import pytest
 import torch
 
-from mtp_triton import corpus
+from mtp_lab import corpus
 from mtp_triton.heads import load_heads
-from mtp_triton.train_heads import build_llama, greedy_continue, main, simulate_tau
-from mtp_triton.training import frozen as frozen_recipe
-from mtp_triton.training.loop import Loop
+from mtp_lab.train_heads import build_llama, greedy_continue, main, simulate_tau
+from mtp_lab.training import frozen as frozen_recipe
+from mtp_lab.training.loop import Loop
 from mtp_triton.tree import Tree
 
 FILES = ["textwrap.py", "json/decoder.py", "json/encoder.py", "shlex.py", "fnmatch.py", "colorsys.py"]

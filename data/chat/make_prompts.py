@@ -24,7 +24,7 @@ import random
 import re
 import textwrap
 
-from mtp_triton.records import write_text
+from mtp_lab.records import write_text
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SEED = 20261201

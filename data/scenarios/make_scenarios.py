@@ -26,7 +26,7 @@ import re
 import sysconfig
 from importlib import metadata
 
-from mtp_triton.records import write_text
+from mtp_lab.records import write_text
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -5,7 +5,7 @@
 import json
 import os
 
-from mtp_triton.records import percents as pct, read_json, sha256_file, write_text
+from mtp_lab.records import percents as pct, read_json, sha256_file, write_text
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -36,7 +36,7 @@ def goals(info, retree):
     demo = os.path.join(HERE, "..", "..", "results", "cpu", "demo", "demo.csv")
     if os.path.exists(demo):
         import csv
-        from mtp_triton.demo import demo_summary
+        from mtp_lab.demo import demo_summary
         rows = [r for r in csv.DictReader(open(demo, newline=""))            # runs with these heads (rows written
                 if (r.get("drafter") or "medusa") == "medusa"]                   # before the module: the heads)
         last = max(r["timestamp"] for r in rows)
@@ -99,7 +99,7 @@ def main():
              + ") and `heads.json`, rendered by `make_card.py`; CPU numbers come from this project's 2-core x86-64 "
              "machines" + (f" (the tree's costs: {retree['device']})" if retree else "") + ".\n")
     L.append("## How they were made\n")
-    L.append("```\npython -m mtp_triton train_heads distill " + " ".join(
+    L.append("```\npython -m mtp_lab train_heads distill " + " ".join(
         flag(k, v) for k, v in cfg.items() if k not in ("recipe",) and v is not None) + "\n```\n")
     sec = info["seconds"]
     share = cfg.get("sample_share") or 0
@@ -113,7 +113,7 @@ def main():
                     "https://arxiv.org/abs/2406.08464: handed its chat template up to a user's turn, it writes the "
                     "message, sampled at temperature 1, top-p 0.95; a batch in six of seven starts with a category's "
                     "opener such as \"Summarize the following text:\"; turns cut off at 96 tokens, loops, duplicates "
-                    "and any held-out prompt are dropped; `mtp_triton/training/self_prompts.py`; per category: "
+                    "and any held-out prompt are dropped; `mtp_lab/training/self_prompts.py`; per category: "
                     + ", ".join(f"{k} {v}" for k, v in own.items())
                     + "; the prompts are committed as `data/chat/self_prompts.jsonl`)")
     L.append(f"- **Data** (self-distillation, as Medusa-2 builds its data): the model's own answers to "
@@ -162,7 +162,7 @@ def main():
              "they replace are not counted): data and training "
              f"{sum(v for k, v in sec.items() if k != 'measure') / 60:.1f} min; then measurement (held-out τ and the "
              f"tree choice) {sec['measure'] / 60:.1f} min, {sum(sec.values()) / 60:.0f} min in all. Most templated prompts' answers were written "
-             "before the command ran, by the same function (`mtp_triton/training/answers.py`) in two earlier "
+             "before the command ran, by the same function (`mtp_lab/training/answers.py`) in two earlier "
              "sessions, the first with this engine and the second with transformers (the counts are above); "
              "together they took about an hour of wall clock on the shared machine, which these times do not "
              "include.\n")
@@ -178,7 +178,7 @@ def main():
     L.append("\n## Tokens per step (τ, greedy), by tree and category\n")
     L.append("Exact for greedy decoding: MTP emits the serial tokens, so replaying this engine's own serial answer "
              "with the heads' candidates at each accepted position gives the steps a real run takes "
-             "(`mtp_triton/training/replay.py: simulate_tau`; the candidates are scored with the CPU decoder's own "
+             "(`mtp_lab/training/replay.py: simulate_tau`; the candidates are scored with the CPU decoder's own "
              "bf16 drafting math, `mtp_triton/drafters.py: bf16_draft`, so only the last bits of the hidden states "
              "can differ). `chosen` is the tree training chose"
              + (f" ({info['tree_nodes']} nodes; the shipped tree is the one `retree` chose, below)" if retree else
@@ -241,7 +241,7 @@ def retree_section(rt, meta):
              "that accepts the most on them (the rank paths their true continuations follow most often, "
              "`tree_from_ranks`). Predicted speedup = simulated τ (tuning sets) × serial step / (tree step + "
              "drafting), every cost measured on that CPU at batch 1, 300 cached tokens, bf16, the trees timed in "
-             f"{cfg['reps']} interleaved rounds (median; `mtp_triton/training/measure.py: choose_tree_from_ranks`). "
+             f"{cfg['reps']} interleaved rounds (median; `mtp_lab/training/measure.py: choose_tree_from_ranks`). "
              + ("The shipped tree is the fastest predicted. " if cfg.get("min_speedup") is None else
                 "The shipped tree is the one that accepts the most (highest τ) among those predicted at least "
                 f"{cfg['min_speedup']:g}× as fast as serial decoding (`--min-speedup {cfg['min_speedup']:g}`). ")
@@ -276,7 +276,7 @@ def training_tree_section(info, meta, cfg, Q):
     L = [f"\n## The tree, chosen for this machine ({info['tree_nodes']} nodes)\n"]
     L.append("Predicted speedup = simulated τ (templated held-out) × serial step / (tree step + drafting), every "
              "cost measured on this CPU at batch 1, 300 cached tokens, bf16, median of 7 "
-             "(`mtp_triton/training/measure.py: choose_tree`). "
+             "(`mtp_lab/training/measure.py: choose_tree`). "
              + ("Each candidate is the tree of that many nodes that accepts the most on the templated held-out "
                 "answers (the rank paths their true continuations follow most often, `tree_from_ranks`). "
                 if any(r.get("from") == "ranks" for r in meta["tuning"]) or Q else "")

@@ -10,8 +10,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 
-from mtp_triton.bench.ab import summarise  # noqa: E402
-from mtp_triton.records import read_json, read_rows, write_text  # noqa: E402
+from mtp_lab.bench.ab import summarise  # noqa: E402
+from mtp_lab.records import read_json, read_rows, write_text  # noqa: E402
 
 AB = os.path.join(ROOT, "results", "cpu", "drafters", "drafters.csv")
 SETS = {"dev_chat": "the tuning split (hand-written chat prompts, data/chat/dev_chat.jsonl)",
@@ -39,7 +39,7 @@ def latest(rows):
 
 
 def per_set(rows):
-    """{prompt set: {configuration: summary}} of the A/B rows (`mtp_triton.bench.ab.summarise`)."""
+    """{prompt set: {configuration: summary}} of the A/B rows (`mtp_lab.bench.ab.summarise`)."""
     return {ps: summarise([r for r in rows if r["prompt_set"] == ps])
             for ps in dict.fromkeys(r["prompt_set"] for r in rows)}
 
@@ -61,7 +61,7 @@ def main():
         f"top-{d['top_k']} tokens of each expanded node, the {d['beam']} most probable nodes of each depth expanded, "
         f"then the {d['nodes'] - 1} most probable drafted nodes (plus the root) kept; on a CPU each step verifies "
         "the part of them that pays on the machine's measured step costs. Code: `mtp_triton/mtp_module.py`, "
-        "`mtp_triton/drafters_mtp.py`, training `mtp_triton/training/module.py`."
+        "`mtp_triton/drafters_mtp.py`, training `mtp_lab/training/module.py`."
         + (f" The stored tree settings were chosen on the tuning split only: {meta['draft_choice']}."
            if meta.get("draft_choice") else ""), "",
         "Every number below comes from `records/` (written by the training command), `module.json` and "
@@ -79,7 +79,7 @@ def main():
         f"draft vocabulary + {info['config']['feature_weight']} × SmoothL1 to the target's hidden state (EAGLE-1).",
         f"- **Time** (wall clock): hidden-state cache {sec['cache'] / 60:.1f} min, training {sec['train'] / 60:.1f} "
         f"min, accuracy {sec['measure'] / 60:.1f} min; the answers were written before, by "
-        "`mtp_triton/training/answers.py`, while this module's code was written (not counted).", "",
+        "`mtp_lab/training/answers.py`, while this module's code was written (not counted).", "",
         "![training curve](records/train_mtp_curve.png)", "",
         "## Accuracy by depth (teacher-forced, held-back answers)", "",
         "Top-1 of unroll step k = the answer's token, given the k drafts before it were the answer's own: the "

@@ -5,7 +5,7 @@
 import os
 import sys
 
-from mtp_triton.records import percents as pct, read_json, sha256_file, write_text
+from mtp_lab.records import percents as pct, read_json, sha256_file, write_text
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REC = os.path.join(HERE, "records")
@@ -78,7 +78,7 @@ def comparison(plain, joint):
 def replot():
     """Curves are drawn from the logged rows (records/*_curve.csv), never by hand."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
-    from mtp_triton.train_heads import plot_curve_csv
+    from mtp_lab.train_heads import plot_curve_csv
     for dirpath, _, filenames in os.walk(REC):
         for name in sorted(filenames):
             if name.endswith("_curve.csv"):
@@ -149,7 +149,7 @@ The standard library of Python {corpus.get('python')} (`{corpus.get('stdlib')}`)
 5 %): train {corpus.get('train_documents')} documents / {corpus.get('train_chars', 0):,} characters /
 {corpus.get('train_tokens', 0):,} tokens; validation {corpus.get('val_documents')} / {corpus.get('val_chars', 0):,} /
 {corpus.get('val_tokens', 0):,}. Corpus sha256 `{corpus.get('sha256')}` (it changes with the Python version: rebuild
-with the same version to reproduce). Code in `mtp_triton/corpus.py`.
+with the same version to reproduce). Code in `mtp_lab/corpus.py`.
 
 ## Training (CPU, {joint.get('threads')} threads, machine shared with other jobs)
 1. **Joint MTP pre-training** (`train_heads joint`): next-token loss + λ = {joint.get('mtp_weight')} × mean of

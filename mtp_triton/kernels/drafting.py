@@ -399,7 +399,7 @@ def draft_config(B, H, D, V, top_k, device, per_head=False, capability=None):
                     MERGE_R=_p2(B * H, 1, 16), CHUNK=1024, CHUNK_T=1024, num_warps=4, num_stages=1,
                     res_warps=4, res_stages=1)
     block_r = _p2(RG, 16, 128)
-    # Per target, from ahead-of-time compiles (python -m mtp_triton aot; ptxas 12.8 / ptxas-blackwell 13.1 with
+    # Per target, from ahead-of-time compiles (the repository's compile audit; ptxas 12.8 / ptxas-blackwell 13.1 with
     # Triton 3.7.1's --regAllocOptLevel=2), so that no vocab tile spills:
     #  * warps: 8 for 64+ rows. On sm_100 (tcgen05: the logits tile lives in tensor memory and is read into
     #    registers for the top-k) always 8: at 4 warps ptxas stopped at 80-128 registers and spilled 16-36 B

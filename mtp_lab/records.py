@@ -1,0 +1,342 @@
+"""Records: the stamp every row carries, CSV rows, and files written so that nothing is lost.
+
+The base floor for everything that writes results: heads, training records, cards, CSV rows, reports and README
+renders all write through `write_bytes` (temporary file in the same folder, fsync, then one `os.replace`), so an
+interrupted run, a full disk or a file-size limit leaves the previous file byte-identical. `output_lock` refuses a
+second writer on the same output folder. It imports only the standard library and torch.
+"""
+import contextlib
+import csv
+import datetime
+import errno
+import hashlib
+import io
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+from mtp_triton.files import _mode_of, _replace, write_bytes, write_json, write_text  # noqa: F401
+from mtp_triton.ops import cpu_model_and_flags, device_name  # noqa: F401
+
+
+# ---- the stamp every row carries ----------------------------------------------------------------------------
+def git_commit():
+    """The checkout's short commit, "-dirty" if tracked files differ from it; "unknown" outside git. A copy whose git
+    metadata is not its own (a GPU machine that is sent the working tree: its .git may be an older one) is named by
+    the caller instead: MTP_TRITON_COMMIT=<commit> makes this return "<commit> (declared)"."""
+    declared = os.environ.get("MTP_TRITON_COMMIT")
+    if declared:
+        return f"{declared} (declared)"
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                             timeout=5)
+        # dirty = tracked files differ from the commit, recorded results aside (a run that appends rows to
+        # results/ before it stamps its next suite must not mark itself dirty)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ":/",
+                                ":(exclude,top)results"], cwd=here, capture_output=True, text=True,
+                               timeout=5).stdout.strip()
+        return (out.stdout.strip() or "unknown") + ("-dirty" if dirty else "")
+    except Exception:
+        return "unknown"
+
+
+def env_info(device=None):
+    """The stamp every row carries: where and with what it was measured."""
+    try:
+        import triton
+        triton_version = triton.__version__
+    except Exception:
+        triton_version = "none"
+    return {
+        "device": device_name(device),
+        "interpreter": os.environ.get("TRITON_INTERPRET", "0") == "1",
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "python": platform.python_version(),
+        "commit": git_commit(),
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+# ---- CSV rows -----------------------------------------------------------------------------------------------
+def append_rows(path, rows):
+    """Append dict rows to a CSV; the header is the union of the keys (an existing header is extended).
+    Returns the number of torn rows dropped from the file (see below; normally 0).
+
+    Whatever happens during the write (Ctrl-C, a full disk, a file-size limit), the file keeps its previous
+    bytes, or holds them plus all the new rows; never a torn row:
+      * the header already has every new column: the rows are rendered first, appended with one write, and cut
+        off again (ftruncate to the old size) if that write fails;
+      * the header must grow: everything is written to a temporary file in the same folder, which then replaces
+        the old file in one rename (os.replace); on failure the temporary file is removed.
+    Several processes may append to one CSV at once: each write holds an exclusive flock on the CSV itself while it
+    reads the header and appends or rewrites, so no writer drops another's rows.
+    A torn row (one with another number of fields than the header: a writer killed mid-row by kill -9 or a power
+    loss) is dropped when the file is rewritten, with a note on stderr naming the file; read_rows never returns one.
+    """
+    rows = [dict(r) for r in rows]
+    if not rows:
+        return 0
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with _csv_lock(path, exclusive=True):
+        header = _header(path)
+        keys = list(header or [])
+        for r in rows:
+            keys += [k for k in r if k not in keys]
+        if header and keys == header and _ends_with_newline(path):
+            _append_bytes(path, _render(header, rows, with_header=False))
+            return 0
+        old, torn = _parse(path) if header else ([], 0)
+        _replace(path, _render(keys, old + rows))
+    if torn:
+        print(f"note: dropped {torn} torn row(s) from {path} (a run stopped in the middle of writing them)",
+              file=sys.stderr)
+    return torn
+
+
+def read_rows(path):
+    """The whole rows of a CSV as dicts of strings (header -> value); torn rows are left out (read_whole_rows)."""
+    return read_whole_rows(path)[0]
+
+
+def read_whole_rows(path):
+    """(whole rows, number of torn rows left out) of a CSV. A torn row has another number of fields than the header
+    (a row cut mid-line by kill -9 or a power loss); blank lines are skipped. A last row with every field but no
+    line end is whole (other tools may omit the last line end)."""
+    with _csv_lock(path, exclusive=False):
+        return _parse(path)
+
+
+def resume_rows(path, log=print):
+    """--resume: the whole rows of `path` ([] when there is no such file); when torn rows were left out,
+    log(one line) says how many, so that the requests they belonged to visibly run again."""
+    if not os.path.exists(path):
+        return []
+    rows, torn = read_whole_rows(path)
+    if torn:
+        log(f"--resume: {torn} torn row(s) in {path} left out (a run stopped while writing them); their requests "
+            "run again")
+    return rows
+
+
+class KeptRows:
+    """--resume: the rows an earlier run wrote, by key(row) (a later row with the same key wins). A unit of work
+    (a request, a prompt's configurations, a suite) is reused only if every row it needs is there: take()."""
+
+    def __init__(self, rows, key):
+        self.by_key = {}
+        for r in rows:
+            self.by_key[key(r)] = r
+        self.used = 0                         # rows handed out by take()
+
+    def take(self, *keys):
+        """The kept rows of these keys if all are there (they count as used), else None: run the unit again."""
+        rows = [self.by_key.get(k) for k in keys]
+        if not rows or any(r is None for r in rows):
+            return None
+        self.used += len(rows)
+        return rows
+
+    def matching(self, test):
+        """The kept rows whose key passes test(key), counted as used (a unit whose rows are not known ahead)."""
+        rows = [r for k, r in self.by_key.items() if test(k)]
+        self.used += len(rows)
+        return rows
+
+
+def _parse(path):
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.reader(f)
+        header = next(reader, None)
+        rows, torn = [], 0
+        if not header:
+            return rows, torn
+        while True:
+            try:
+                fields = next(reader)
+            except StopIteration:
+                break
+            except csv.Error:                           # e.g. a NUL byte or an unfinished quote: a torn row
+                torn += 1
+                continue
+            if not fields:
+                continue
+            if len(fields) != len(header):
+                torn += 1
+                continue
+            rows.append(dict(zip(header, fields)))
+    return rows, torn
+
+
+@contextlib.contextmanager
+def _csv_lock(path, exclusive):
+    """Hold an flock on the CSV itself (exclusive for a write, shared for a read); a write creates it empty if
+    missing, a read of a missing file raises FileNotFoundError.
+
+    A rewrite replaces the file (os.replace), so a writer that waited on the old file's lock finds another file at
+    `path` once it gets the lock: it then locks the new one instead. An empty file this call created is removed
+    again when the write fails. No locking where fcntl is missing (Windows)."""
+    try:
+        import fcntl
+    except ImportError:                                            # pragma: no cover - not POSIX
+        yield
+        return
+    while True:
+        created = False
+        try:
+            if not exclusive:
+                raise FileExistsError                              # a read never creates the file
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, _mode_of(path))
+            created = True
+        except FileExistsError:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                if not exclusive:
+                    raise                                          # reading a missing file
+                continue                                           # removed meanwhile: try again
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            mine = os.fstat(fd)
+            try:
+                now = os.stat(path)
+            except FileNotFoundError:
+                now = None
+            if now is None or (now.st_dev, now.st_ino) != (mine.st_dev, mine.st_ino):
+                continue                                           # replaced while we waited: lock the new file
+            try:
+                yield
+            except BaseException:
+                if created and os.fstat(fd).st_size == 0:
+                    with contextlib.suppress(OSError):
+                        if os.stat(path).st_ino == mine.st_ino:
+                            os.unlink(path)
+                raise
+            return
+        finally:
+            os.close(fd)
+
+
+def _header(path):
+    """The CSV's column names, or None when the file is missing or empty."""
+    if not os.path.exists(path):
+        return None
+    with open(path, newline="", encoding="utf-8") as f:
+        return next(csv.reader(f), None) or None
+
+
+def _ends_with_newline(path):
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
+
+
+def _render(keys, rows, with_header=True):
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=keys, restval="")           # lines end in \r\n, as csv writes them
+    if with_header:
+        w.writeheader()
+    w.writerows(rows)
+    return buf.getvalue().encode("utf-8")
+
+
+def _append_bytes(path, data):
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    try:
+        size = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        except BaseException:                        # KeyboardInterrupt included: take the partial rows back
+            os.ftruncate(fd, size)
+            raise
+    finally:
+        os.close(fd)
+
+
+def read_json(path):
+    """The JSON in `path`, or None where there is no such file (a record not made yet)."""
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def sha256_file(path):
+    """The hex sha256 of a file's bytes (read in 1 MiB pieces), as the cards list their files."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for piece in iter(lambda: f.read(1 << 20), b""):
+            h.update(piece)
+    return h.hexdigest()
+
+
+def save_torch(obj, path):
+    """torch.save through write_bytes: an interrupted save leaves the previous file intact."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return write_bytes(path, buf.getbuffer())
+
+
+def ensure_writable_dir(path):
+    """Create the folder `path` if needed and check that files can be made in it; raise OSError saying so.
+
+    Call it before any compute, so that a bad --out fails in a second instead of after the whole run.
+    Returns the path."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check-"):
+            pass
+    except OSError as e:
+        raise OSError(f"cannot write to the output folder {path!r}: {e.strerror or e}. "
+                      "Choose another --out, or fix its permissions.") from e
+    return path
+
+
+
+# ---- one writer per output folder -------------------------------------------------------------------------
+@contextlib.contextmanager
+def output_lock(folder, what="this output folder"):
+    """Hold an exclusive lock on `folder` for the duration of a run; a second process asking for the same folder
+    gets a RuntimeError at once (no waiting), instead of two runs appending to, or rewriting, the same files.
+
+    The lock is an fcntl.flock on <folder>/.lock, released by the kernel when the process ends however it ends
+    (kill -9 included), so a stale lock cannot outlive its run. Not on Windows (no fcntl): there it does nothing."""
+    try:
+        import fcntl
+    except ImportError:                                            # pragma: no cover - not POSIX
+        yield folder
+        return
+    os.makedirs(folder, exist_ok=True)
+    fd = os.open(os.path.join(folder, ".lock"), os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            raise RuntimeError(f"another run is writing to {folder!r} ({what}); wait for it to finish, or choose "
+                               "another --out") from None
+        yield folder
+    finally:
+        os.close(fd)                                               # closing the descriptor releases the lock
+
+
+def md_table(header, rows, cell=str):
+    """A markdown table (lines joined by newlines, no trailing one): the header, the |---| rule, one line per row with
+    every cell through `cell`. The one table writer of the reports, the README renderer and the cards."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def percents(xs):
+    """Fractions as whole percents joined by ' / ' (a per-depth acceptance: '64 / 29 / 9')."""
+    return " / ".join(f"{100 * x:.0f}" for x in xs)
