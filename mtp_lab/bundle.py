@@ -13,6 +13,7 @@ from mtp_triton.loading import load_model, load_tokenizer
 from mtp_triton.mtp_module import MTPModule, is_module_folder, load_drafter
 from mtp_triton.tree import PRESETS, Tree, get_tree, is_tree_name
 from mtp_triton.tuning import best_tree
+from .records import read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))                      # the repository
 EMBEDDED = os.path.join(ROOT, "data", "tiny-stdlib-llama")                               # the embedded model
@@ -88,26 +89,9 @@ def load_embedded(path=EMBEDDED, device=None, dtype=None):
 
 def read_prompts(path=PROMPTS, n=None):
     """The first n rows (all: None) of a prompts JSONL file: one JSON object per line with a non-empty string
-    'text' (and optionally 'category', 'id'). Anything else is a ValueError naming the file and line."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except FileNotFoundError:
-        raise ValueError(f"no prompts file {path!r}") from None
-    except UnicodeDecodeError as e:
-        raise ValueError(f"prompts file {path!r} is not valid UTF-8 (byte {e.start})") from None
-    rows = []
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{i}: not a JSON object ({e.msg}); a torn last line? Each line must be one "
-                             'JSON object such as {"text": "..."}') from None
-        if not isinstance(row, dict) or not isinstance(row.get("text"), str) or not row["text"].strip():
-            raise ValueError(f"{path}:{i}: each line needs a non-empty string 'text' field")
-        rows.append(row)
+    'text' (and optionally 'category', 'id'). Anything else is a ValueError naming the file and line
+    (records.read_jsonl)."""
+    rows = read_jsonl(path, "prompts file", ("text",), blank_text=False)
     if not rows:
         raise ValueError(f"prompts file {path!r} holds no prompts")
     return rows[:n] if n else rows

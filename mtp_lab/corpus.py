@@ -23,7 +23,6 @@ Example:
     >>> tok = train_tokenizer([d.text for d in docs if d.split == "train"], vocab_size=4096)
     >>> ids = encode_split(tok, docs, "val")           # 1-D int tensor of token ids
 """
-import argparse
 import hashlib
 import json
 import os
@@ -33,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cli import int_at_least, run
+from .cli import command_parser, int_at_least, run
 from .records import save_torch, write_json, write_text
 
 EOS = "<|endoftext|>"
@@ -204,7 +203,8 @@ def thirdparty_prompts(site_packages, packages=THIRDPARTY_PACKAGES, total=30, mi
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Describe the stdlib corpus; optionally train and save the tokenizer.")
+    p = command_parser("python -m mtp_lab.corpus", "Describe the stdlib corpus; optionally train and save the "
+                       "tokenizer.")
     p.add_argument("--tokenizer-out", help="folder to save a freshly trained tokenizer to")
     p.add_argument("--vocab-size", type=int_at_least(256), default=4096)
     p.add_argument("--val-percent", type=int_at_least(1), default=5)

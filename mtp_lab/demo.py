@@ -12,7 +12,6 @@ and overall, next to the speedup predicted when the heads' tree was chosen, and 
 weight-streaming floor each configuration reaches (`bench.roofline`). It writes <out>/demo.csv (one row per prompt
 and configuration: the rows of `bench.ab`) and <out>/demo.png.
 """
-import argparse
 import os
 import sys
 import time
@@ -22,19 +21,15 @@ import torch
 from .bench.ab import PEER, Config, run_prompt, summarise, warm_up
 from .bench.common import save_figure
 from .bench.hf_baseline import hf_twin
-from .cli import error, float_in, int_at_least
+from .cli import add_common, command_parser, error
 from mtp_triton.generate import RuntimeConfig, generate
 from mtp_triton.mtp_module import MTPModule
-from mtp_triton.ops import KINDS
 from .records import append_rows, ensure_writable_dir, env_info
-from .bundle import (CHAT_PROMPTS, DEFAULT_DRAFTER, DRAFTERS, PROMPTS, SMOLLM2, check_tree_name, cli_drafter,
+from .bundle import (CHAT_PROMPTS, PROMPTS, SMOLLM2, check_tree_name, cli_drafter,
                      describe_drafter, encode, generate_tree, heads_dir_for, load_bundle, pick_prompts, pick_tree,
                      read_prompts, tree_size)
 from mtp_triton.sampling import check_seed, check_temperature
 from mtp_triton.stats import format_tau
-
-PROBABILITY = float_in(0.0, 1.0, low_open=True)            # argparse type of --prune-below
-
 
 def configs(heads, tree, kernels, runtime=None):
     """The demo's configurations (bench.ab), in the order each prompt runs them: our serial loop, MTP (tree None: the
@@ -63,24 +58,11 @@ def demo_summary(rows):
 
 
 def demo(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m mtp_lab demo", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=SMOLLM2, help="a short name, a checkpoint folder or a .gguf file")
-    ap.add_argument("--drafter", default=None, choices=DRAFTERS, help="medusa: MTP heads; mtp: the MTP module (one "
-                    f"block, dynamic tree); default {DEFAULT_DRAFTER} where the model has one, else medusa")
-    ap.add_argument("--heads", default=None, help="the drafter's folder (default: the model's shipped heads or module)")
+    ap = command_parser("python -m mtp_lab demo", __doc__, "model", "drafter", "heads", model=SMOLLM2)
     ap.add_argument("--prompts", default=None, help="JSONL with 'text' (and 'category'); default: held-out chat "
                     "prompts for chat models, held-out code for the tiny model")
-    ap.add_argument("--per-category", type=int_at_least(1), default=2)
-    ap.add_argument("--max-new-tokens", type=int_at_least(1), default=128)
-    ap.add_argument("--tree", default="stored", help="'stored' (saved with the heads), 'auto' (tuned now to this "
-                    "machine), 'tuned' (to the heads' accuracies) or a preset name")
-    ap.add_argument("--prune-below", type=PROBABILITY, default=None, metavar="P", help="confidence pruning: verify only "
-                    "drafted nodes whose path probability under the heads is >= P (RuntimeConfig.prune_below; off)")
-    ap.add_argument("--kernels", default="auto", choices=KINDS)
-    ap.add_argument("--dtype", default=None, choices=["bf16", "fp32"])
-    ap.add_argument("--device", default=None)
-    ap.add_argument("--out", default=os.path.join("out", "demo"))
+    add_common(ap, "per-category", "max-new-tokens", "tree", "prune-below", "kernels", "dtype", "device", "out",
+               max_new_tokens=128, out=os.path.join("out", "demo"))
     a = ap.parse_args(argv)
     try:                                                  # everything that can be checked before the model loads
         runtime = RuntimeConfig(prune_below=a.prune_below) if a.prune_below is not None else None
@@ -184,24 +166,14 @@ def _plot(table, env, path):
 
 
 def text_generate(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m mtp_lab generate")
+    ap = command_parser("python -m mtp_lab generate", "generate text from a prompt")
     ap.add_argument("--prompt", required=True)
-    ap.add_argument("--model", default=SMOLLM2)
-    ap.add_argument("--drafter", default=None, choices=DRAFTERS, help="medusa (heads) or mtp (the module); default "
-                    f"{DEFAULT_DRAFTER} where the model has one, else medusa")
-    ap.add_argument("--heads", default=None, help="the drafter's folder (default: the model's shipped one)")
+    add_common(ap, "model", "drafter", "heads", model=SMOLLM2)
     ap.add_argument("--raw", action="store_true", help="don't wrap the prompt in the chat template")
-    ap.add_argument("--max-new-tokens", type=int_at_least(1), default=128)
-    ap.add_argument("--tree", default="stored", help="'stored', 'auto', 'tuned' or a preset name (see demo --help)")
+    add_common(ap, "max-new-tokens", "tree", max_new_tokens=128)
     ap.add_argument("--no-mtp", action="store_true")
-    ap.add_argument("--prune-below", type=PROBABILITY, default=None, metavar="P",
-                    help="confidence pruning of the tree (RuntimeConfig.prune_below; off)")
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--kernels", default="auto", choices=KINDS)
-    ap.add_argument("--dtype", default=None, choices=["bf16", "fp32"])
-    ap.add_argument("--device", default=None)
+    add_common(ap, "prune-below", "temperature", "top-p", "seed", "kernels", "dtype", "device",
+               seed=dict(default=None, help="random seed of the sampling (default: none)"))
     a = ap.parse_args(argv)
     try:
         a.prompt.encode("utf-8")

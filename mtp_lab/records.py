@@ -1,4 +1,4 @@
-"""Records: the stamp every row carries, CSV rows, and files written so that nothing is lost.
+"""Records: the stamp every row carries, CSV and JSONL rows, tables, and files written so that nothing is lost.
 
 The base floor for everything that writes results: heads, training records, cards, CSV rows, reports and README
 renders all write through `write_bytes` (temporary file in the same folder, fsync, then one `os.replace`), so an
@@ -125,14 +125,21 @@ def resume_rows(path, log=print):
     return rows
 
 
+def row_key(row, fields):
+    """A row's identity for --resume: its values of `fields` as strings (equal for a typed row and the same row read
+    back from a CSV)."""
+    return tuple(str(row.get(k)) for k in fields)
+
+
 class KeptRows:
-    """--resume: the rows an earlier run wrote, by key(row) (a later row with the same key wins). A unit of work
-    (a request, a prompt's configurations, a suite) is reused only if every row it needs is there: take()."""
+    """--resume: the rows an earlier run wrote, by key(row) (a later row with the same key wins; key: a function, or
+    the names of the fields that make `row_key`). A unit of work (a request, a prompt's configurations, a suite) is
+    reused only if every row it needs is there: take()."""
 
     def __init__(self, rows, key):
         self.by_key = {}
         for r in rows:
-            self.by_key[key(r)] = r
+            self.by_key[key(r) if callable(key) else row_key(r, key)] = r
         self.used = 0                         # rows handed out by take()
 
     def take(self, *keys):
@@ -261,6 +268,65 @@ def _append_bytes(path, data):
         os.close(fd)
 
 
+# ---- JSONL rows ---------------------------------------------------------------------------------------------
+def read_utf8(path, what="file"):
+    """The whole file as text; a missing file, a folder or bytes that are not UTF-8 are a ValueError naming `what`
+    (the flag or the kind of file), the file and, for bad bytes, the line."""
+    if not os.path.isfile(path):
+        raise ValueError(f"{what} {path}: {'no such file' if not os.path.exists(path) else 'not a file'}")
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise ValueError(f"{what} {path}:{line}: not valid UTF-8 (byte {data[e.start]:#04x} at offset {e.start}); "
+                         "save the file as UTF-8") from None
+
+
+def read_jsonl(path, what="file", fields=(), torn_last="raise", blank_text=True):
+    """The rows of a JSONL file (the lab's one JSONL reader): every non-blank line one JSON object with the keys
+    `fields` ("text", if named, a string; blank_text=False: not an empty one). Anything else is a ValueError naming
+    `what`, the file and the line (path:line): a line that is not JSON (a torn last line, from an interrupted write,
+    says so), a missing field, a file that is not UTF-8 or not there. torn_last="skip": an append-only log a resumed
+    run adds to, whose torn last line is left out (that row is made again; open_log cuts it off before appending)."""
+    lines = read_utf8(path, what).split("\n")
+    last = max((i for i, line in enumerate(lines, 1) if line.strip()), default=0)
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            if n == last and torn_last == "skip":
+                break
+            torn = "; a torn last line? finish it or delete it" if n == last else ""
+            raise ValueError(f"{what} {path}:{n}: not valid JSON ({e.msg}){torn}") from None
+        missing = [k for k in fields if not isinstance(row, dict) or k not in row]
+        if missing:
+            raise ValueError(f"{what} {path}:{n}: no {', '.join(repr(k) for k in missing)} field (each line must be a "
+                             f"JSON object with {', '.join(repr(k) for k in fields)})")
+        if "text" in fields and not isinstance(row["text"], str):
+            raise ValueError(f"{what} {path}:{n}: 'text' is {type(row['text']).__name__}, not a string")
+        if "text" in fields and not (blank_text or row["text"].strip()):
+            raise ValueError(f"{what} {path}:{n}: 'text' is empty; each line needs a non-empty string 'text' field")
+        rows.append(row)
+    return rows
+
+
+def open_log(path):
+    """An append-only JSONL log opened for appending (text, UTF-8), its torn last line (a write interrupted before
+    its newline) cut off first, so that the next row starts a line of its own. The folder is created."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    if os.path.exists(path):
+        with open(path, "rb+") as f:
+            data = f.read()
+            if data and not data.endswith(b"\n"):
+                f.truncate(data.rfind(b"\n") + 1)
+    return open(path, "a", encoding="utf-8")
+
+
 def read_json(path):
     """The JSON in `path`, or None where there is no such file (a record not made yet)."""
     if not os.path.exists(path):
@@ -329,12 +395,19 @@ def output_lock(folder, what="this output folder"):
         os.close(fd)                                               # closing the descriptor releases the lock
 
 
-def md_table(header, rows, cell=str):
-    """A markdown table (lines joined by newlines, no trailing one): the header, the |---| rule, one line per row with
-    every cell through `cell`. The one table writer of the reports, the README renderer and the cards."""
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+def command_today(command):
+    """A recorded command as it is typed today: the lab's commands were `python -m mtp_triton ...` until they moved
+    out of the package into mtp_lab (commit 8433a68); rows and records made before keep the old words."""
+    return command.replace("python -m mtp_triton", "python -m mtp_lab")
+
+
+def md_table(header, rows, cell=str, indent=""):
+    """A markdown table (lines joined by newlines, no trailing one, each after `indent`): the header (an empty title
+    is written `| |`), the |---| rule, one line per row with every cell through `cell`. The one table writer of the
+    reports, the README renderer and the cards."""
+    lines = ["|" + "|".join(f" {h} " if h else " " for h in header) + "|", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
+    return "\n".join(indent + line for line in lines)
 
 
 def percents(xs):

@@ -31,7 +31,7 @@ import argparse
 import importlib
 import sys
 
-from mtp_lab.cli import run
+from mtp_lab.cli import command_parser, run
 
 # The pieces, importable from here as before (mtp_lab.training.* is where they live).
 from mtp_lab.training.data import load_text_files, prompt_ids, random_windows, token_streams  # noqa: F401
@@ -57,8 +57,7 @@ SUBCOMMANDS = {
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="python -m mtp_lab.train_heads", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = command_parser("python -m mtp_lab.train_heads", __doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="recipe", required=True)
     for name, (module, func, text) in SUBCOMMANDS.items():
         mod = importlib.import_module(module)

@@ -19,19 +19,18 @@ differently from its serial steps that way). Trees of any node count share one g
 custom op splits rows into invariant.linear's pieces of at most 32 itself, out of the compiler's sight (packed.py).
 The price is that a batch streams the weights once per sequence, not once per step.
 
-Exact numerics in every dtype. The compiled kind always runs the batch-invariant path (`invariant.attention`,
-`invariant.linear`): a tree step is bit-identical to serial steps in bf16 and in fp32, because both run the same
-compiled code and every reduction follows absolute positions, not the node count (tests/test_compiled.py).
+Exact numerics in every dtype. The compiled kind always runs the batch-invariant path (the exact twin's attention,
+kernels/tree_attention_ref.py, on a plan `forward_tree` builds outside the graph; `invariant.linear`): a tree step is
+bit-identical to serial steps in bf16 and in fp32, because both run the same compiled code and every reduction follows
+absolute positions, not the node count (tests/test_compiled.py).
 
 Compile time and why the kind is opt-in. `warm_up` compiles the graphs of a generation before its timers start:
-about 2 minutes cold for SmolLM2-135M in bf16 on the 2-core CPU this project measures on (10-30 s a graph), and still
-~35 s in a later process with inductor's on-disk cache (TORCHINDUCTOR_CACHE_DIR, by default a folder under the
-system's temp dir), most of it dynamo tracing the step again. What it buys there is nothing yet: in the newest
-recorded library-defaults A/B (scripts/defaults_ab.py, README; commit 0d2a7de) whole generations ran at 0.81x
-(serial) and 0.73x (MTP) eager's speed in bf16, and 0.85x / 0.71x in fp32, where the compiled kind also gives up the
-plain twins for the exact path (two earlier runs of the same A/B gave 0.96-1.08x in bf16, before the eager path got
-faster); lesson 06 §4 times one step of each kind. A fresh clone's demo would spend more on compiling than it saves,
-so kernels="auto" stays eager on a CPU and "compiled" is asked for by name.
+minutes cold for a small model on a small CPU (tens of seconds a graph), and still tens of seconds in a later process
+with inductor's on-disk cache (TORCHINDUCTOR_CACHE_DIR, by default a folder under the system's temp dir), most of it
+dynamo tracing the step again. Whole generations have not run faster than eager's (the README's library-defaults A/B
+records the ratios), and in fp32 the compiled kind also gives up the plain twins for the exact path. A fresh clone's
+demo would spend more on compiling than it saves, so kernels="auto" stays eager on a CPU and "compiled" is asked for
+by name.
 """
 import functools
 import os

@@ -3,10 +3,9 @@
 A step that verifies T nodes costs c(T) seconds (one forward of T nodes through the target, plus their logits) and
 emits 1 + (accepted drafts) tokens. On a GPU at batch 1, c(T) is nearly flat up to large T: the weights are read
 once either way. On a CPU it is not, and not always monotone: oneDNN picks its matmul kernels by row count, and
-the exact path's one-node step differs from a tree step (packed.py, invariant.py). On this project's 2-core machine
-bf16 SmolLM2 cost c(2) < c(1) while a serial step's single row was computed beside a copy of itself, and
-c(2) ~ 1.2 c(1) since it is not. So the tree worth verifying depends on the machine, the dtype and the model —
-the "candidate count adjusted to the chip's load" of an MTP-on-NPU engineering report (BM1684), made concrete.
+the exact path's one-node step differs from a tree step (packed.py, invariant.py). So the tree worth verifying
+depends on the machine, the dtype and the model — the "candidate count adjusted to the chip's load" of an
+MTP-on-NPU engineering report (BM1684), made concrete.
 
 `step_costs` times c(T) at a few sizes with `tuning.step_cost` (the one verify-step timer) and interpolates
 linearly in between; the table is cached in $MTP_TRITON_CACHE (default ~/.cache/mtp-triton)/step_costs.json, one

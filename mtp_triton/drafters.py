@@ -1,11 +1,21 @@
-"""Drafters: what proposes the candidate tokens of a step.
-`propose(hidden, top_k, context, num_heads=None, roots=None) -> ids [A, num_heads, K]` (the first num_heads heads; all
-if None; roots [A]: the step's root tokens, read by heads with root input).
+"""Drafters: what proposes a step's candidate tokens, behind one protocol, `Drafter`.
 
-`HeadsDrafter` runs MTP heads through `fused_draft` (all heads and their top-k in one call). Heads with token inputs
-(heads.py) propose per tree node instead: `draft_tree(hidden, roots, tree) -> tokens [A, T]`, one `fused_draft` call
-per depth; a drafter that can do this says so with `sequential = True`. `OracleDrafter` is a
-clearly labelled SYNTHETIC drafter for measuring the runtime apart from head quality: it knows each sequence's true
+    trees(tree, device)      the trees its steps draft on, from generate's tree= (checked): `tree.SubTrees`, a fixed
+                             candidate tree cut to each step's depth limits, or `tree.DrawnTrees`: it draws its own
+    draft(rows, roots, hidden, tree, parents, depths, context, min_prob)
+                             -> (tree [T nodes], tokens [A, T], path_prob [A, T] or None, parents [T] or [A, T])
+    start(prompts, hidden, roots, capacities, block_size)    after prefill (a drafter with its own cache fills it)
+    observe(rows, h_tree, tokens, accept_nodes, accept_len, bonus)    after every step (what was committed)
+    cache_bytes()            bytes of its own cache
+    reports_probabilities    whether draft(min_prob=p) returns path probabilities (pruning and cost sizing need them)
+
+The base class drafts a fixed tree from `propose(hidden, top_k, context, num_heads, roots, probs) -> ids [A, H, K]`
+(one call for the first H = tree depth heads): node i takes rank tree.rank[i] of head tree.depth[i] - 1, and its
+path probability is the product of the heads' probabilities on its path. `HeadsDrafter` runs MTP heads through
+`fused_draft` (all heads and their top-k in one call); heads with token inputs (heads.py) draft per tree node
+instead, one `fused_draft` call per depth (`draft_tree`). `drafters_mtp.ModuleDrafter` (the MTP module) draws a
+dynamic tree with its own cache. `SerialDrafter` drafts nothing: serial decoding. `OracleDrafter` is a clearly
+labelled SYNTHETIC drafter for measuring the runtime apart from head quality: it knows each sequence's true
 continuation (from a serial run of the same model) and proposes it at a chosen per-depth acceptance profile: head h's
 rank-0 candidate is the true token with probability profile[h] (independently per step), otherwise a wrong one;
 lower ranks are random wrong tokens, except that when rank 0 is wrong the true token sits at rank 1 with
@@ -18,6 +28,7 @@ import torch.nn.functional as F
 from .ops import cpu_twins
 from .packed import packed_linear
 from .reference import topk_lower_id_first
+from .tree import SubTrees, Tree, get_tree
 
 
 def bf16_draft(hidden, res_weight, res_bias, lm_head, top_k, *, token_map=None, logprobs=False):
@@ -27,10 +38,9 @@ def bf16_draft(hidden, res_weight, res_bias, lm_head, top_k, *, token_map=None, 
     then the top-k rows by descending logit, ties to the lower row — exactly what `training.replay.head_ranks`
     computes, so the training's simulated tau is what this path decodes with. res_weight may also be H row-wise
     functions x -> W_h x and lm_head one z -> L z (`packed.packed_linear`: the same weights prepacked, the same
-    bits). The PyTorch twin
-    (`reference.fused_draft`, the Triton kernel's specification) computes in fp32 instead; on this CPU that costs
-    1-3 ms per call for an 8192-row draft vocabulary against ~0.3 ms here, and a drafter that draft tree-node by
-    tree-node calls it once per depth. Drafts only steer speed: verification decides every token.
+    bits). The PyTorch twin (`reference.fused_draft`, the Triton kernel's specification) computes in fp32 instead,
+    which on a CPU reads twice the bytes of a large draft vocabulary per call, and a drafter that drafts node by node
+    calls it once per depth. Drafts only steer speed: verification decides every token.
     -> token_ids [B, H, top_k], and with logprobs=True log_softmax(logits_h) at those rows [B, H, top_k] float32
     (else None)."""
     if isinstance(res_weight, torch.Tensor):
@@ -53,10 +63,81 @@ def _rows_fn(w):
     return packed_linear(w) or (lambda x: x @ w.T)
 
 
-class HeadsDrafter:
+class Drafter:
+    """The drafter protocol (see the module docstring); the defaults are a stateless drafter of a fixed tree.
+
+    A subclass of a fixed tree implements `propose`; one that draws its own trees overrides `trees` and `draft`; one
+    with a cache of its own overrides `start`, `observe` and `cache_bytes`."""
+    num_heads = 0                   # the deepest node it drafts: the runtime policy's depth limit
+    reports_probabilities = False   # draft(min_prob=p) returns path probabilities (for sizing.Pruner / CostPruner)
+    synthetic = False               # proposes a known continuation (a measuring aid), not a model's guesses
+
+    def trees(self, tree, device):
+        """generate's tree= (a Tree, a preset name, Medusa-style choices, or None: the package default), checked
+        against the heads -> `SubTrees`, cut to each step's depth limits."""
+        return SubTrees(get_tree(tree, self.num_heads).to(device))
+
+    def draft(self, rows, roots, hidden, tree, parents=None, depths=None, context=None, min_prob=None):
+        """The step's tree and its tokens: node 0 is the root, node i > 0 rank tree.rank[i] of head tree.depth[i] - 1.
+
+        rows [A] the cache rows, roots [A] the newest committed tokens, hidden [A, D] the target's final-norm hidden
+        state at them; tree: the candidate tree (T nodes) with parents [T] or [A, T] (-1: a node row a does not use;
+        None: tree.parents); depths [A]: each row's depth limit; context: (batch indices, tokens each row emitted so
+        far). min_prob (pruning): also return path_prob [A, T], the product of the heads' probabilities of the
+        tokens on the path to each node (root 1); a drafter may stop drafting at the first depth no path reaches it.
+        -> (tree, tokens [A, T], path_prob [A, T] or None, parents). A one-node tree is a serial step: no drafting."""
+        parents = tree.parents if parents is None else parents
+        if tree.size == 1:
+            tokens = roots[:, None].clone()                                             # [A, 1]
+            return tree, tokens, None if min_prob is None else torch.ones(tokens.shape, device=tokens.device), parents
+        tokens, path_prob = self.draft_tokens(hidden, roots, tree, context, min_prob)
+        return tree, tokens, path_prob, parents
+
+    def draft_tokens(self, hidden, roots, tree, context=None, min_prob=None):
+        """One `propose` for the heads the tree reaches (a depth-2 tree drafts with 2 heads, however many exist), then
+        node i takes its rank of its depth's candidates.   -> tokens [A, T], path_prob [A, T] or None
+
+            path_prob[i] = prod over the nodes j on the path root -> i of q_{depth_j - 1}(token_j)
+        (a sum of logs over each node's ancestors: one matmul with the tree's mask)."""
+        want = min_prob is not None
+        out = self.propose(hidden, tree.top_k, context, num_heads=tree.max_depth, roots=roots, probs=want)
+        ids, probs = out if want else (out, None)                                       # [A, depth, K]
+        tokens = roots[:, None].repeat(1, tree.size)                                    # [A, T]; node 0 = root
+        tokens[:, 1:] = ids[:, tree.depth[1:] - 1, tree.rank[1:]]
+        if not want:
+            return tokens, None
+        logp = torch.zeros(tokens.shape, device=tokens.device)                          # [A, T]; log 1 at the root
+        logp[:, 1:] = probs[:, tree.depth[1:] - 1, tree.rank[1:]].float().clamp_min(1e-30).log()
+        return tokens, torch.exp(logp @ tree.mask.T.float())                            # sum over each node's path
+
+    def propose(self, hidden, top_k, context=None, num_heads=None, roots=None, probs=False):
+        """Candidates of the first num_heads heads: ids [A, num_heads, top_k]; with probs=True also their
+        probabilities [A, num_heads, top_k]."""
+        raise NotImplementedError(f"{type(self).__name__} drafts no fixed tree (it has no propose)")
+
+    def start(self, prompts, hidden, roots, capacities, block_size):
+        """After prefill: prompts (B token lists), hidden [B, S, D] the target's final-norm hidden states at every
+        prompt position, roots [B] the first new tokens, capacities [B] and block_size of the target's cache."""
+
+    def observe(self, rows, h_tree, tokens, accept_nodes, accept_len, bonus):
+        """After a step: h_tree [A, T, D], tokens [A, T], accept_nodes [A, T] (root 0, accepted nodes, -1),
+        accept_len [A], bonus [A]."""
+
+    def cache_bytes(self):
+        """Bytes of the drafter's own cache (0: none)."""
+        return 0
+
+
+class SerialDrafter(Drafter):
+    """No drafts: every step verifies the root alone, so the bonus is the next token (generate's mtp=False)."""
+
+    def trees(self, tree, device):
+        return SubTrees(Tree.root_only().to(device))
+
+
+class HeadsDrafter(Drafter):
     """MTP heads on the target's hidden state: head h's top-k candidates for the token h + 2 positions ahead."""
-    synthetic = False
-    reports_probabilities = True            # propose(probs=True) / draft_tree(min_prob=...): for step.Pruner
+    reports_probabilities = True            # propose(probs=True) / draft_tree(min_prob=...)
 
     def __init__(self, heads, model, ops, draft_dtype=None):
         """draft_dtype: None (auto: bf16 on a CPU with the PyTorch twins for a bf16 model, and for an fp32 model where
@@ -85,7 +166,7 @@ class HeadsDrafter:
             self.res_weight, self.res_bias = (t.to(torch.bfloat16) for t in (self.res_weight, self.res_bias))
             self.lm_head = self.lm_head.to(torch.bfloat16).contiguous()
         # what drafting multiplies by on the bf16 path: the ResBlocks' weights and a shared LM head or draft vocabulary
-        # prepacked where packing applies (packed.py; bf16: the same bits, 3-10x faster for a few rows)
+        # prepacked where packing applies (packed.py; bf16: the same bits, faster for a few rows)
         bf16 = self.fused_draft is bf16_draft
         self.res_rows = [_rows_fn(w) for w in self.res_weight] if bf16 else self.res_weight
         self.lm_rows = (bf16 and self.lm_head.dim() == 2 and packed_linear(self.lm_head)) or self.lm_head
@@ -95,9 +176,20 @@ class HeadsDrafter:
         self.token_proj = None if heads.token_proj is None else heads.token_proj.detach().to(dev, dt).contiguous()
         self.root_rows = None if self.root_proj is None else _rows_fn(self.root_proj)          # e -> P e
         self.proj_rows = [] if self.token_proj is None else [_rows_fn(q) for q in self.token_proj]  # e -> Q_q e
-        self.sequential = self.token_proj is not None
+        self.sequential = self.token_proj is not None       # candidates depend on the tree node: draft_tree
         self.embed = model.embed_tokens.weight.detach()
+        self.stored_tree = heads.tree                       # the tree saved with the heads (None: the default)
         self._plans = {}
+
+    def trees(self, tree, device):
+        """tree=None: the tree stored with the heads, else the package default."""
+        return super().trees(self.stored_tree if tree is None else tree, device)
+
+    def draft_tokens(self, hidden, roots, tree, context=None, min_prob=None):
+        if not self.sequential:
+            return super().draft_tokens(hidden, roots, tree, context, min_prob)
+        out = self.draft_tree(hidden, roots, tree, min_prob=min_prob)
+        return out if min_prob is not None else (out, None)
 
     def _root_input(self, hidden, roots):
         if self.root_proj is None:
@@ -151,7 +243,7 @@ class HeadsDrafter:
         tokens on its path (heads.py), head d - 1 scores it in one `fused_draft` call for all such p and all rows,
         and child c of p takes rank rank[c] of p's candidates.
 
-        min_prob (confidence pruning, see step.prune): also return path_prob [A, T] = the product of the heads'
+        min_prob (confidence pruning, `sizing.Pruner`): also return path_prob [A, T] = the product of the heads'
         probabilities of the tokens from the root to each node (root 1). Path probabilities only fall with depth,
         so once no parent of a depth's nodes reaches min_prob in any row, nothing deeper can: drafting stops there
         and the deeper nodes get path probability 0 (their tokens stay the root's, and are never verified)."""
@@ -177,7 +269,8 @@ class HeadsDrafter:
         return tokens if path_prob is None else (tokens, path_prob)
 
 
-class OracleDrafter:
+class OracleDrafter(Drafter):
+    """SYNTHETIC drafts of a known continuation at a per-depth acceptance profile (see the module docstring)."""
     synthetic = True
 
     def __init__(self, true_tokens, profile, vocab_size, seed=0):
@@ -189,8 +282,10 @@ class OracleDrafter:
         self.vocab_size = vocab_size
         self.gen = torch.Generator().manual_seed(seed)
 
-    def propose(self, hidden, top_k, context, num_heads=None, roots=None):
+    def propose(self, hidden, top_k, context=None, num_heads=None, roots=None, probs=False):
         """context = (batch indices of the rows, tokens each has emitted so far; the last is the root)."""
+        if probs:
+            raise ValueError("OracleDrafter: synthetic drafts have no probabilities")
         seq_ids, emitted = context
         A, H, V = len(seq_ids), num_heads or self.num_heads, self.vocab_size
         ids = torch.randint(0, V, (A, H, top_k), generator=self.gen)

@@ -18,9 +18,9 @@ after the root.
                  and a node a row did not keep is switched off for it (parent -1), as the runtime policy does
     observe  after accept: remember (hidden states at the accepted path, the tokens after them) for (1)
 
-A serial step (every row at depth 0: the runtime policy's cold start or fallback) drafts nothing and commits
+A serial step (every row at depth 0: the runtime policy's fallback) drafts nothing and commits
 nothing: its pairs wait, and the next step that drafts commits all of them as one chain (one forward of the module
-for many positions instead of one per step, which on a CPU costs about a sixth of a serial step of the target).
+for many positions instead of one per step).
 
 Verification and acceptance do not change: the drafts are only proposals, so greedy output is the serial output
 and sampling keeps the target's distribution whatever the module proposes. Its drafts need not be exact, so the
@@ -32,16 +32,16 @@ import copy
 
 import torch
 
+from .drafters import Drafter
 from .model import PagedKVCache
 from .packed import packed_linear
-from .tree import Tree
+from .tree import DrawnTrees, Tree
 
 
-class ModuleDrafter:
-    synthetic = False
+class ModuleDrafter(Drafter):
+    """The MTP module as a `Drafter`: a dynamic tree every step (`draft_dynamic`) and a cache per sequence (`start`
+    after prefill, `observe` after every step)."""
     reports_probabilities = True
-    dynamic = True              # step.draft asks draft_dynamic for (tree, tokens, path_prob, parents)
-    stateful = True             # keeps a cache per sequence: start() after prefill, observe() after every step
 
     def __init__(self, module, model, ops, *, depth=None, top_k=None, beam=None, nodes=None):
         """depth, top_k, beam, nodes: the dynamic tree (None: the module's stored defaults, module.draft).
@@ -70,7 +70,22 @@ class ModuleDrafter:
         self.ops, self.check = ops, dev.type != "cuda"
         self.cache = self.f = None
         self.pending = []                                   # (rows, h, nxt, n) of each step not yet committed
-        self.trees = {}
+        self._tree_cache = {}                               # rank paths -> Tree (`_tree`)
+
+    def trees(self, tree, device):
+        """No candidate tree: each step's is drawn here, at most `nodes` nodes per row, `depth` deep."""
+        if tree is not None:
+            raise ValueError(f"{type(self).__name__} draws its own tree every step (a dynamic tree); pass its size "
+                             "to the drafter (depth, top_k, beam, nodes), not tree=")
+        return DrawnTrees(self.nodes, self.depth, self.top_k)
+
+    def draft(self, rows, roots, hidden, tree=None, parents=None, depths=None, context=None, min_prob=None):
+        """The dynamic tree (`draft_dynamic`); tree, parents, hidden (the module reads its own f) and context unused,
+        path probabilities always returned."""
+        return self.draft_dynamic(rows, roots, depths)
+
+    def cache_bytes(self):
+        return 0 if self.cache is None else self.cache.nbytes()
 
     # ---- the module's own cache ------------------------------------------------------------------------
     def start(self, prompts, hidden, roots, capacities, block_size):
@@ -242,10 +257,10 @@ class ModuleDrafter:
 
     def _tree(self, paths):
         """The Tree of these rank paths (cached; at most 4096 kept)."""
-        t = self.trees.get(paths)
+        t = self._tree_cache.get(paths)
         if t is None:
-            if len(self.trees) >= 4096:
-                self.trees.clear()
+            if len(self._tree_cache) >= 4096:
+                self._tree_cache.clear()
             dev = self.f.device if self.f is not None else "cpu"
-            t = self.trees[paths] = Tree.from_choices(list(paths)).to(dev)
+            t = self._tree_cache[paths] = Tree.from_choices(list(paths)).to(dev)
         return t

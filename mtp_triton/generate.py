@@ -16,17 +16,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import compiled
-from .drafters import HeadsDrafter
+from . import compiled, sizing
+from .drafters import Drafter, HeadsDrafter, SerialDrafter
 from .drafters_mtp import ModuleDrafter
+from .graphs import GraphedVerify
+from .heads import MTPHeads
 from .mtp_module import MTPModule
-from .ops import cpu_twins, get_ops
+from .ops import get_ops
 from .policy import RuntimeConfig, RuntimePolicy
 from .sampling import Sampler
 from .stats import GenerateStats, StatsRecorder
-from .costs import step_costs
-from .step import CostPruner, GraphedVerify, Pruner, mtp_step
-from .tree import Tree, get_tree
+from .step import StepInputs, StepPlan, mtp_step
 
 __all__ = ["generate", "prefill", "GenerateResult", "RuntimeConfig"]
 
@@ -74,106 +74,58 @@ def prefill(model, prompts, cache, ops, all_hidden=False):
 
 
 @torch.no_grad()
-def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None, temperature=0.0, top_p=1.0,
-             seed=None, eos_token_id=None, kernels="auto", runtime=None, block_size=16, drafter=None,
-             cuda_graph=False):
-    """Generate up to max_new_tokens per prompt with MTP (or serially: mtp=False, or no heads).
+def generate(model, prompts, max_new_tokens, *, drafter=None, heads=None, mtp=True, tree=None, temperature=0.0,
+             top_p=1.0, seed=None, eos_token_id=None, kernels="auto", runtime=None, block_size=16, cuda_graph=False):
+    """Generate up to max_new_tokens per prompt with MTP (or serially: mtp=False, or no drafter).
 
-    prompts: list of token-id lists (lengths may differ) or a LongTensor [B, S]. tree: a Tree, a preset name or
-    Medusa-style choices, verified as given (None: the heads' stored tree, else the package default, and on a CPU
-    each step verifies the part of it that pays on this machine's measured step costs: RuntimeConfig.size_by_cost).
-    temperature 0: greedy; > 0: sampling (top_p nucleus), reproducible from `seed` (an int in [0, 2**64); one generator serves the whole batch,
-    so a sampled prompt's tokens depend on its batch-mates: run a prompt alone for samples of its own; the random
-    numbers also follow the verified trees, so where the CPU default sizes them by measured costs, pass
-    RuntimeConfig(size_by_cost=False) for samples that do not depend on the machine's timing). eos_token_id: None, an int, a list of ints or an int tensor.
+    prompts: list of token-id lists (lengths may differ) or a LongTensor [B, S].
+    drafter: what drafts: MTP heads (`load_heads`), an MTP module (`load_module`, mtp_module.py: a one-layer drafter
+    with its own cache that draws a dynamic tree each step, `drafters_mtp.ModuleDrafter`; tree= must then be None),
+    or any `drafters.Drafter` (e.g. the synthetic `drafters.OracleDrafter`). heads: the older name of drafter=
+    (the same meaning; pass one of them). tree: a Tree, a preset name or Medusa-style choices, verified as given
+    (None: the heads' stored tree, else the package default, and on a CPU each step verifies the part of it that
+    pays on this machine's measured step costs: RuntimeConfig.size_by_cost).
+    temperature 0: greedy; > 0: sampling (top_p nucleus), reproducible from `seed` (an int in [0, 2**64); one
+    generator serves the whole batch, so a sampled prompt's tokens depend on its batch-mates: run a prompt alone for
+    samples of its own; the random numbers also follow the verified trees, so where the CPU default sizes them by
+    measured costs, pass RuntimeConfig(size_by_cost=False) for samples that do not depend on the machine's timing).
+    eos_token_id: None, an int, a list of ints or an int tensor.
     kernels: "triton" | "torch" | "compiled" | "auto" (Triton on CUDA, the PyTorch twins elsewhere; "compiled": the
     twins with the decoder layer compiled by torch.compile, CPU: mtp_triton/ops.py, compiled.py). A bf16/fp16 model
     runs the exact path (invariant.py; the Triton kernels' batch-invariant variant on a GPU), so greedy MTP emits the
     serial tokens bit for bit.
-    runtime: a `RuntimeConfig` or a dict of its fields (cold start, dynamic depth, fallback, confidence pruning). block_size: the paged cache's block size.
-    heads: MTP heads (`load_heads`) or an MTP module (`load_module`, mtp_module.py: a one-layer drafter with its own
-    cache that draws a dynamic tree each step, `drafters_mtp.ModuleDrafter`; tree= must then be None).
-    drafter: instead of heads, any object with `num_heads` and `propose(hidden, top_k, context, num_heads, roots)`
-    (e.g. the synthetic `drafters.OracleDrafter`). cuda_graph: replay the verify forward as a CUDA graph (one per
-    tree size); finished sequences then keep running, frozen and never emitted, so shapes stay fixed.
+    runtime: a `RuntimeConfig` or a dict of its fields (fallbacks, confidence pruning, sizing by cost).
+    block_size: the paged cache's block size. cuda_graph: replay the verify forward as a CUDA graph (one per tree
+    size); finished sequences then keep running, frozen and never emitted, so shapes stay fixed.
     Returns GenerateResult(tokens, stats).
     """
-    cfg, dev = model.config, model.device
-    prompts = _check_prompts(prompts, cfg.vocab_size, cfg.max_position_embeddings)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    longest = max(len(p) for p in prompts)
-    if longest + max_new_tokens > cfg.max_position_embeddings:
-        raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the context "
-                         f"length {cfg.max_position_embeddings}")
-    stop = _stop_ids(eos_token_id, cfg.vocab_size)
+    dev = model.device
+    prompts = _check_prompts(prompts, model.config.vocab_size, model.config.max_position_embeddings)
+    _check_lengths(prompts, max_new_tokens, block_size, model.config.max_position_embeddings)
+    B = len(prompts)
+    stop = _stop_ids(eos_token_id, model.config.vocab_size)
     sampler = Sampler(temperature, top_p, seed, dev)
     runtime = RuntimeConfig.of(runtime)
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be an int >= 1 (tokens per cache block), got {block_size!r}")
-    if cuda_graph and dev.type != "cuda":
-        raise ValueError("cuda_graph=True needs the model on a CUDA device")
-    ops = get_ops(kernels, dev)
-    if cuda_graph and ops.kind != "triton":
-        raise ValueError(f"cuda_graph=True needs the Triton kernels (kernels='triton' or 'auto'), got "
-                         f"kernels={kernels!r}: the PyTorch twins' steps are planned on the host")
-    if ops.kind == "compiled":
-        compiled.warm_up(model, ops)            # compiles the step's graphs once per process, before any timing
-    if mtp and drafter is None and heads is not None:
-        drafter = ModuleDrafter(heads, model, ops) if isinstance(heads, MTPModule) else HeadsDrafter(heads, model, ops)
-    if not mtp:
-        drafter = None
-    dynamic = getattr(drafter, "dynamic", False)
-    if dynamic:                                 # the drafter draws each step's tree: at most `nodes` nodes
-        if tree is not None:
-            raise ValueError(f"{type(drafter).__name__} draws its own tree every step (a dynamic tree); pass its "
-                             "size to the drafter (depth, top_k, beam, nodes), not tree=")
-        if cuda_graph:
-            raise ValueError(f"cuda_graph=True needs a fixed tree per step; {type(drafter).__name__} draws a "
-                             "dynamic one")
-        full_tree, budget, max_depth = None, drafter.nodes, drafter.num_heads
-    else:
-        if drafter is None:
-            full_tree = Tree.root_only().to(dev)
-        else:                                   # tree=None: the tree stored with the heads, else the default
-            stored = getattr(heads, "tree", None) if isinstance(drafter, HeadsDrafter) else None
-            full_tree = get_tree(tree if tree is not None else stored, drafter.num_heads).to(dev)
-        budget, max_depth = full_tree.size, full_tree.max_depth
-        trees = _SubTrees(full_tree)
-    rec = StatsRecorder(dev, len(prompts))
-    graphs = GraphedVerify() if cuda_graph else None
-    pruner = None
-    if runtime is not None and runtime.prune_below is not None and drafter is not None:
-        if cuda_graph:
-            raise ValueError("RuntimeConfig.prune_below changes the verified tree every step; it cannot be combined "
-                             "with cuda_graph=True (one captured graph per tree size)")
-        if not getattr(drafter, "reports_probabilities", False):
-            raise ValueError(f"RuntimeConfig.prune_below needs a drafter that reports probabilities; "
-                             f"{type(drafter).__name__} does not")
-        pruner = Pruner(runtime.prune_below)
-    elif drafter is not None and budget > 1 and _size_by_cost(runtime, drafter, dev, ops, cuda_graph,
-                                                              pinned=tree is not None):
-        pruner = CostPruner(step_costs(model, budget, kernels, batch=len(prompts)))
-    by_cost = isinstance(pruner, CostPruner) and (runtime is None or runtime.fallback_by_cost is not False)
-    if runtime is not None and runtime.fallback_by_cost and not isinstance(pruner, CostPruner):
-        raise ValueError("RuntimeConfig.fallback_by_cost=True compares speculative steps with the measured cost of a "
-                         "serial step, which comes with size_by_cost; it is off here (size_by_cost=False, a tree "
-                         "passed in, prune_below, a GPU, or a drafter without probabilities): set size_by_cost=True")
-    policy = RuntimePolicy(runtime, len(prompts), max_depth, by_cost)
+    ops = _kernels(model, kernels, cuda_graph)
+    drafter = _drafter(drafter, heads, mtp, model, ops)
+    trees = drafter.trees(tree, dev)                # the candidate tree cut per step, or the drafter draws its own
+    if cuda_graph and not trees.fixed:
+        raise ValueError(f"cuda_graph=True needs a fixed tree per step; {type(drafter).__name__} draws a dynamic one")
+    rec = StatsRecorder(dev, B)
+    pruner, by_cost = sizing.choose(runtime, drafter, trees, model, kernels, ops, cuda_graph=cuda_graph,
+                                    pinned=tree is not None, batch=B)
+    policy = RuntimePolicy(runtime, B, trees.max_depth, by_cost)
     # The kernels' value checks read tensors (a host sync each on a GPU). The loop builds every input itself
     # (a validated tree, its own block tables and lengths), so on a GPU they are skipped inside the loop.
-    check = dev.type != "cuda"
+    plan = StepPlan(check_values=dev.type != "cuda", timer=rec.timer, graphs=GraphedVerify() if cuda_graph else None,
+                    pruner=pruner)
 
-    B = len(prompts)
-    # a step appends at most its verified nodes past a row's length: a fixed tree's `budget`; a dynamic tree is the
-    # union of the rows' own trees (each row keeps up to budget - 1 drafts), up to B (budget - 1) + 1 nodes
-    room = B * (budget - 1) + 1 if dynamic else budget
-    capacities = [len(p) + max_new_tokens + room for p in prompts]
+    # a step's nodes sit past a row's length: room for the most a step verifies (a dynamic tree: the rows' union)
+    capacities = [len(p) + max_new_tokens + trees.room(B) for p in prompts]
     cache = model.new_cache(capacities, block_size)
     hidden, every = prefill(model, prompts, cache, ops, all_hidden=True)            # [B, D], [B, S, D]
     roots = sampler.choose(model.logits(hidden))                                    # [B] the first new tokens
-    if getattr(drafter, "stateful", False):                                         # its own cache, from the prompts
-        drafter.start(prompts, every, roots, capacities, block_size)
+    drafter.start(prompts, every, roots, capacities, block_size)                    # its own cache, if it has one
     del every
     out = [[t] for t in roots.tolist()]
     rec.first_token()
@@ -182,68 +134,85 @@ def generate(model, prompts, max_new_tokens, *, heads=None, mtp=True, tree=None,
 
     while not all(done):
         t_step = time.perf_counter()
-        now = list(range(B)) if graphs is not None else [b for b in range(B) if not done[b]]
+        now = list(range(B)) if cuda_graph else [b for b in range(B) if not done[b]]
         if now != live:                                                             # rebuild only on change
             live, rows = now, torch.tensor(now, device=dev)
-        depths = policy.depths(live, out, done if graphs is not None else None)
-        tree, parents = (None, None) if dynamic else trees.for_depths(depths)
-        frozen = torch.tensor([done[b] for b in live], device=dev) if graphs is not None else None
+        depths = policy.depths(live, done if cuda_graph else None)
+        tree, parents = trees.for_depths(depths)
+        frozen = torch.tensor([done[b] for b in live], device=dev) if cuda_graph else None
         if by_cost:
             pruner.weigh(*policy.calibration(live))
             drafted = rec.timer.total["draft"]                  # seconds of drafting so far (CPU: per step)
-        step = mtp_step(model, cache, rows, roots[rows], hidden[rows], tree, drafter, sampler, ops, parents=parents,
-                        context=(live, [out[b] for b in live]), check_values=check, timer=rec.timer,
-                        graphs=graphs, frozen=frozen, pruner=pruner, depths=depths)
+        inputs = StepInputs(roots[rows], hidden[rows], tree, parents, depths, (live, [out[b] for b in live]), frozen)
+        step = mtp_step(model, cache, rows, inputs, drafter, sampler, ops, plan)
         hidden[rows] = step.hidden
         roots[rows] = step.bonus
 
         # ---- emit (one host sync per step): accepted drafts, then the bonus; stop at EOS / length ----
         T = step.draft.shape[1]                                                     # verified nodes (pruned or not)
-        host = torch.cat([step.accept_len[:, None], step.bonus[:, None], step.accept_nodes, step.draft], 1).tolist()
-        pred = kept = None                          # drafts expected accepted, the deepest node kept
-        if by_cost and pruner.predicted is not None:
+        at, seqs, accepted, emitted = map(list, zip(*_emit(step, live, done, out, stop, max_new_tokens)))
+        depth = [depths[a] for a in at]
+        predicted, reach = [0.0] * len(at), [trees.max_depth] * len(at)
+        if by_cost and pruner.predicted is not None:    # drafts the pruner expected accepted, the deepest node kept
             pred, kept, pruner.predicted = pruner.predicted.tolist(), pruner.kept_depth.tolist(), None
-        accepted, emitted, stepped, predicted, reach = [], [], [], [], []
-        for a, b in enumerate(live):
-            if done[b]:                                                             # frozen row (graph mode)
-                continue
-            n_acc, bonus, nodes, toks = host[a][0], host[a][1], host[a][2:2 + T], host[a][2 + T:]
-            new = [toks[n] for n in nodes[1:n_acc + 1]] + [bonus]
-            n = _extend(out[b], new, stop, max_new_tokens)
-            done[b] = out[b][-1] in stop or len(out[b]) >= max_new_tokens
-            accepted.append(n_acc)
-            emitted.append(n)
-            stepped.append((b, depths[a]))
-            predicted.append(pred[a] if pred else 0.0)
-            reach.append(kept[a] if kept else max_depth)
+            predicted, reach = [pred[a] for a in at], [kept[a] for a in at]
         dt = time.perf_counter() - t_step
-        rec.step(dt, accepted, [d for _, d in stepped], emitted, nodes=T)
+        rec.step(dt, accepted, depth, emitted, nodes=T)
         cost = pruner.costs.serial_steps(T, dt, rec.timer.total["draft"] - drafted) if by_cost else None
-        rec.fallbacks += policy.update([b for b, _ in stepped], [d for _, d in stepped], accepted, emitted, dt,
-                                       predicted, cost, reach)
+        rec.fallbacks += policy.update(seqs, depth, accepted, emitted, predicted, cost, reach)
 
-    cache_bytes = cache.nbytes() + (drafter.cache.nbytes() if getattr(drafter, "stateful", False) else 0)
-    return GenerateResult(out, rec.finish(sum(len(o) for o in out), ops.kind, budget, cache_bytes,
-                                          pruner.costs.describe() if isinstance(pruner, CostPruner) else None))
+    cache_bytes = cache.nbytes() + drafter.cache_bytes()
+    return GenerateResult(out, rec.finish(sum(len(o) for o in out), ops.kind, trees.budget, cache_bytes,
+                                          pruner.describe() if pruner is not None else None))
 
 
-def _size_by_cost(runtime, drafter, device, ops, cuda_graph, pinned):
-    """Size each step's tree by the measured step costs? RuntimeConfig.size_by_cost: True / False, or None (auto):
-    when no tree was passed (tree=None: the heads' stored tree, or the default, is the candidate set; a tree passed
-    in is verified as given), on a CPU with the PyTorch twins, where c(T) grows with T, for a drafter that reports
-    probabilities; off on a GPU, where c(T) is nearly flat at batch 1 and CUDA graphs want fixed tree sizes, and
-    for the Triton kernels in the interpreter (a teaching path, whose timings mean nothing)."""
-    flag = runtime.size_by_cost if runtime is not None else None
-    probs = getattr(drafter, "reports_probabilities", False)
-    if flag:
-        if not probs:
-            raise ValueError(f"RuntimeConfig.size_by_cost needs a drafter that reports probabilities; "
-                             f"{type(drafter).__name__} does not")
-        if cuda_graph:
-            raise ValueError("RuntimeConfig.size_by_cost changes the verified tree every step; it cannot be "
-                             "combined with cuda_graph=True (one captured graph per tree size)")
-        return True
-    return flag is None and not pinned and probs and cpu_twins(ops, device) and not cuda_graph
+def _drafter(drafter, heads, mtp, model, ops):
+    """generate's drafter= / heads= (its older name) -> one `Drafter`: a Drafter as it is, MTP heads -> HeadsDrafter,
+    an MTP module -> ModuleDrafter; mtp=False or neither -> SerialDrafter (the one-node tree every step)."""
+    if drafter is not None and heads is not None:
+        raise ValueError("generate: pass the drafter once, as drafter= (heads= is its older name), not both")
+    given = heads if drafter is None else drafter
+    if not mtp or given is None:
+        return SerialDrafter()
+    if isinstance(given, Drafter):
+        return given
+    if isinstance(given, MTPModule):
+        return ModuleDrafter(given, model, ops)
+    if isinstance(given, MTPHeads):
+        return HeadsDrafter(given, model, ops)
+    raise ValueError(f"generate: drafter must be MTP heads (load_heads), an MTP module (load_module) or a "
+                     f"drafters.Drafter, got {type(given).__name__}")
+
+
+def _kernels(model, kernels, cuda_graph):
+    """The kernel set (`ops.get_ops`), checked against cuda_graph; the compiled step is compiled here, once per
+    process, before any timing."""
+    dev = model.device
+    if cuda_graph and dev.type != "cuda":
+        raise ValueError("cuda_graph=True needs the model on a CUDA device")
+    ops = get_ops(kernels, dev)
+    if cuda_graph and ops.kind != "triton":
+        raise ValueError(f"cuda_graph=True needs the Triton kernels (kernels='triton' or 'auto'), got "
+                         f"kernels={kernels!r}: the PyTorch twins' steps are planned on the host")
+    if ops.kind == "compiled":
+        compiled.warm_up(model, ops)
+    return ops
+
+
+def _emit(step, live, done, out, stop, max_new_tokens):
+    """Each row's accepted drafts, then the bonus, onto its output (one host sync); done[b] set at an EOS or the
+    length. -> [(a, b, drafts accepted, tokens emitted)] for the rows a = 0 .. A-1 (sequence b) that took part."""
+    T = step.draft.shape[1]
+    host = torch.cat([step.accept_len[:, None], step.bonus[:, None], step.accept_nodes, step.draft], 1).tolist()
+    stepped = []
+    for a, b in enumerate(live):
+        if done[b]:                                                                 # frozen row (graph mode)
+            continue
+        n_acc, bonus, nodes, toks = host[a][0], host[a][1], host[a][2:2 + T], host[a][2 + T:]
+        n = _extend(out[b], [toks[i] for i in nodes[1:n_acc + 1]] + [bonus], stop, max_new_tokens)
+        done[b] = out[b][-1] in stop or len(out[b]) >= max_new_tokens
+        stepped.append((a, b, n_acc, n))
+    return stepped
 
 
 def _extend(out, new, stop, max_new_tokens):
@@ -257,26 +226,6 @@ def _extend(out, new, stop, max_new_tokens):
         if t in stop:
             break
     return n
-
-
-class _SubTrees:
-    """The candidate tree cut to each depth limit (cached), and the parents that switch nodes off per row."""
-
-    def __init__(self, tree):
-        self.full = tree
-        self.by_depth = {tree.max_depth: tree}
-
-    def for_depths(self, depths):
-        """-> (tree for the deepest row, parents [T] if all rows use it whole, else [A, T] with -1 past a row's depth)"""
-        d = max(depths)
-        if d not in self.by_depth:
-            keep = [p for p in self.full.paths[1:] if len(p) <= d]
-            self.by_depth[d] = Tree.from_choices(keep).to(self.full.parents.device)
-        tree = self.by_depth[d]
-        if min(depths) == d:
-            return tree, tree.parents
-        limit = torch.tensor(depths, device=tree.parents.device)
-        return tree, torch.where(tree.depth[None, :] > limit[:, None], -1, tree.parents[None, :])
 
 
 def _stop_ids(eos_token_id, vocab_size):
@@ -304,6 +253,18 @@ def _stop_ids(eos_token_id, vocab_size):
             raise ValueError(f"eos_token_id {t} is out of the vocabulary range [0, {vocab_size})")
         out.add(t)
     return out
+
+
+def _check_lengths(prompts, max_new_tokens, block_size, context):
+    """max_new_tokens and block_size: ints >= 1; the longest prompt + max_new_tokens within the context length."""
+    for name, value in (("max_new_tokens", max_new_tokens), ("block_size", block_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            what = " (tokens per cache block)" if name == "block_size" else ""
+            raise ValueError(f"{name} must be an int >= 1{what}, got {value!r}")
+    longest = max(len(p) for p in prompts)
+    if longest + max_new_tokens > context:
+        raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the context "
+                         f"length {context}")
 
 
 def _check_prompts(prompts, vocab_size, max_len):

@@ -25,6 +25,7 @@ from torch import nn
 
 from . import invariant
 from .config import ROPE_TYPES, ModelConfig  # noqa: F401  (ModelConfig: public here too)
+from .kernels.tree_attention_ref import Plan, attention, plan
 from .packed import packed_layers
 
 def rope_inv_freq(cfg):
@@ -105,8 +106,8 @@ def _plain(layer, x):
 
 @dataclass
 class Paged:
-    """Attention through the ops' `tree_attention` over the paged cache (the Triton kernels' path of `layer`, and the
-    plain twins'). exact: the kernel's batch-invariant variant, and linear layers through `invariant.linear`."""
+    """Attention through the ops' `tree_attention` over the paged cache (every kind but the compiled one). exact: its
+    batch-invariant variant (exact=True), and linear layers through `invariant.linear`."""
     ops: object
     block_table: torch.Tensor       # [B, max_blocks] int32
     cache_lens: torch.Tensor        # [B] int32
@@ -123,16 +124,16 @@ def layer(x, cos, sin, blk, packed, k_cache, v_cache, k_tree, v_tree, attend):
 
     cos, sin [B, T, 1, Dh]; blk: the layer's Block (norms; its nn.Linear layers when packed is None); packed: its
     (qkv, o, gate_up, down) packed linears, or None; k_cache, v_cache [NB, BS, Hkv, Dh]: this layer's cache.
-    attend: an `invariant.Plan` (exact: batch-invariant attention, and linear layers through `invariant.linear`, which
-    rounds a row alike in every call) or a `Paged` (the ops' tree_attention; `Paged.exact`: its batch-invariant
-    variant, and `invariant.linear` too).
+    attend: a `Paged` (the ops' tree_attention; `Paged.exact`: its batch-invariant variant, and linear layers through
+    `invariant.linear`, which rounds a row alike in every call) or, for the compiled kind, the step's exact `Plan`
+    (the twin's exact attention on a plan built outside the compiled graph, and `invariant.linear` too).
         h = RMSNorm(x);  q, k, v = h Wq, h Wk, h Wv;  q, k = RoPE(q), RoPE(k);  x = x + Attn(q, K, V) Wo
         h = RMSNorm(x);  x = x + (silu(h Wg) * h Wu) Wd
     """
     B, T, _ = x.shape
     Hkv, Dh = k_cache.shape[-2:]
     Hq = blk.q_proj.out_features // Dh
-    exact = isinstance(attend, invariant.Plan) or attend.exact
+    exact = isinstance(attend, Plan) or attend.exact
     lin = invariant.linear if exact else _plain
     norm = invariant.rowwise if exact else _plain                         # a GPU's reductions: see invariant.py
     h = norm(blk.input_layernorm, x)
@@ -148,8 +149,8 @@ def layer(x, cos, sin, blk, packed, k_cache, v_cache, k_tree, v_tree, attend):
     q, k = qk[:, :, :Hq], qk[:, :, Hq:]
     k_tree.copy_(k)
     v_tree.copy_(v)
-    if isinstance(attend, invariant.Plan):
-        o = invariant.attention(q.contiguous(), k_cache, v_cache, k_tree, v_tree, attend, finite=True)
+    if isinstance(attend, Plan):                                           # the engine's caches: finite
+        o = attention(q.contiguous(), k_cache, v_cache, k_tree, v_tree, attend, finite=True)
     else:
         o = attend.ops.tree_attention(q.contiguous(), k_cache, v_cache, attend.block_table, attend.cache_lens,
                                       k_tree, v_tree, attend.tree_mask, window=attend.window,
@@ -237,7 +238,7 @@ class LlamaEngine(nn.Module):
         check_values=False: the inputs are the same for every layer.
         Layers with a sliding window pass it to `tree_attention` (window=): the kernel derives each node's
         position from cache_lens and its depth in tree_mask, which is how `positions` are built.
-        exact: use the batch-invariant attention and `invariant.linear` (None: `exact_mode(ops)`; prefill
+        exact: `tree_attention(..., exact=True)` and `invariant.linear` (None: `exact_mode(ops)`; prefill
         passes False: it is the same call for serial and MTP decoding, so it needs no invariance).
         embeds [B, T, D]: the first layer's input instead of embed_tokens(tokens) (tokens may then be None): the MTP
         module (mtp_module.py) runs its block this way, on fc([enorm(E x); hnorm(h)]).
@@ -262,14 +263,14 @@ class LlamaEngine(nn.Module):
         cos, sin = self.rope(positions)
         x = self.embed_tokens(tokens) if embeds is None else embeds            # [B, T, D]
         packed = packed_layers(self)                # None: the nn.Linear layers (bf16: the same bits, slower)
-        plans = {}                                  # exact: one attention plan per distinct window, for all layers
-        planned = exact and ops.kind != "triton"    # the Triton kernels' exact variant needs no plan
+        plans = {}      # the compiled kind's exact attention: planned here, outside its graph, once per window
+        planned = exact and ops.kind == "compiled"
         for l, blk in enumerate(self.layers):
             w = cfg.window(l)
             if planned:
                 if w not in plans:
-                    plans[w] = invariant.plan(block_table, cache_lens, tree_mask, cache.block_size, w,
-                                              min_chunks=getattr(ops, "min_chunks", 1))   # compiled: 2 (plan())
+                    plans[w] = plan(block_table, cache_lens, tree_mask, cache.block_size, w,
+                                    min_chunks=ops.min_chunks)                      # 2: see plan()
                 attend = plans[w]
             else:
                 attend = Paged(ops, block_table, cache_lens, tree_mask, w, check_values and l == 0, exact)

@@ -58,6 +58,12 @@ class MTPModule(nn.Module):
         self.fc = nn.Linear(2 * D, D, bias=False)
         self.block = Block(self.config)
         self.token_map = None if token_map is None else _check_token_map(token_map, cfg.vocab_size)
+        if draft is not None and not isinstance(draft, dict):
+            raise ValueError(f"draft must be an object of dynamic-tree settings ({', '.join(DRAFT_DEFAULTS)}), got "
+                             f"{draft!r}")
+        unknown = sorted(set(draft or {}) - set(DRAFT_DEFAULTS))
+        if unknown:
+            raise ValueError(f"draft: unknown settings {unknown}; the dynamic tree takes {', '.join(DRAFT_DEFAULTS)}")
         self.draft = dict(DRAFT_DEFAULTS, **(draft or {}))
         self.meta = {}
 
@@ -193,13 +199,17 @@ def load_module(path, device=None, dtype=None, *, check_finite=True):
         sd = load_file(file)
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for torn files
         raise ValueError(f"load_module: {file} is not a readable safetensors file: {e}") from None
+    odd = sorted(k for k, v in sd.items() if (k == "token_map") == v.is_floating_point())
+    if odd:
+        raise ValueError(f"load_module: {file}: tensors {odd[:5]} have the wrong dtype (weights are floating point, "
+                         "token_map holds integer ids)")
     if check_finite:
         check_finite_tensors(sd, file)
     token_map = sd.pop("token_map", None)
     try:
         m = MTPModule(cfg, token_map, meta.get("draft"))
     except ValueError as e:
-        raise ValueError(f"load_module: {file}: {e}") from None
+        raise ValueError(f"load_module: {meta_file}: {e}") from None
     expected = m.state_dict()
     bad = sorted(k for k in set(sd) | set(expected) if k not in sd or k not in expected
                  or sd[k].shape != expected[k].shape)
@@ -217,4 +227,7 @@ def load_drafter(path, device=None, dtype=None):
     (`heads.load_heads`: our heads folder or a Medusa checkpoint). Either goes to generate(heads=...)."""
     if is_module_folder(path):
         return load_module(path, device, dtype)
+    if os.path.exists(os.path.join(path, MODULE_FILE)):
+        raise ValueError(f"load_drafter: {path} holds {MODULE_FILE} but no {MODULE_META}: an MTP module folder "
+                         f"needs both (MTPModule.save writes them)")
     return load_heads(path, device, dtype)

@@ -2,16 +2,16 @@
 
 kernels (KINDS):
     "triton"    the Triton kernels (a CUDA device, or Triton's interpreter on a CPU)
-    "torch"     their PyTorch twins, eager (for teaching and debugging)
+    "torch"     their PyTorch twins (`mtp_triton.reference`, from kernels/<family>_ref.py), eager
     "compiled"  the twins, with the decoder layer compiled by torch.compile on a CPU (mtp_triton/compiled.py); it
                 runs the batch-invariant numerics in every dtype, so MTP steps are bit-identical to serial ones, and a
                 batch's sequences decode as they do alone. Opt-in: the first generation compiles for minutes on a
-                small CPU, and recorded generations ran at 0.71-1.08x eager's speed (compiled.py)
+                small CPU (compiled.py)
     "auto"      triton on a CUDA device, torch elsewhere
 The sets have the same signatures, so swapping them changes nothing but speed (and fp rounding). Each set also
 carries its numerical policy, `ops.numerics(device, dtype)` (see `numerics`), so the engine and the drafters ask the
 ops they run with and never decide it themselves; the compiled set adds `layer` (the compiled decoder layer) and
-`min_chunks` (its attention plans' smallest chunk count, `invariant.plan`).
+`min_chunks` (its attention plans' smallest chunk count, `tree_attention_ref.plan`).
 """
 import functools
 import os
@@ -68,11 +68,11 @@ def native_bf16():
 def numerics(kind, device, dtype):
     """The engine's numerical policy, decided here and nowhere else, for a model of `dtype` on `device` run by ops of
     this kind (every set of ops carries it as `ops.numerics(device, dtype)`):
-      exact       batch-invariant decoding (invariant.py: the attention, norms and linear layers whose rows round
-                  alike in every call), which makes an MTP step bit-identical to serial steps: always with the
-                  compiled kind, and for a bf16/fp16 model with the PyTorch twins (invariant.attention) or the Triton
-                  kernels (tree_attention's exact=True variant), on a CPU or a GPU (fp32/fp64 use the plain path,
-                  whose greedy output matches serial decoding in practice)
+      exact       batch-invariant decoding (tree_attention's exact=True, and invariant.py's norms and linear layers
+                  whose rows round alike in every call), which makes an MTP step bit-identical to serial steps:
+                  always with the compiled kind, and for a bf16/fp16 model with the PyTorch twins or the Triton
+                  kernels, on a CPU or a GPU (fp32/fp64 use the plain path, whose greedy output matches serial
+                  decoding in practice)
       draft_bf16  the drafters multiply in bf16 (drafters.bf16_draft; the MTP module in bf16): with the twins on a
                   CPU, for a bf16 model, and for an fp32 one where the CPU multiplies bf16 natively (half the bytes
                   per draft; drafts only steer speed, verification decides every token)

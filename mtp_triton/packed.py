@@ -3,9 +3,8 @@
 A matmul of a few rows streams its weight; with nn.Linear the weight is in PyTorch's row-major layout, and oneDNN
 reorders it (bf16) or MKL runs a generic small-M path (fp32) on every call. `torch.ops.mkldnn._reorder_linear_weight`
 reorders it once (this is what inductor's `freezing` pass does to the weights of a compiled model), and
-`torch.ops.mkldnn._linear_pointwise` multiplies by the packed copy. On the 2-core AVX512-BF16 CPU this project
-measures on, a 2-row 576 x 1536 matmul takes ~80 us packed against ~190 us plain (fp32), ~54 against ~96 us
-(bf16), and the 576 x 49152 LM head 5.6 against 25.8 ms (fp32), 3.0 against 6.0 ms (bf16).
+`torch.ops.mkldnn._linear_pointwise` multiplies by the packed copy, so a decode step's few-row matmuls (and the
+large LM head) skip that per-call work.
 
 Where packing applies (`packing_applies` probes the running machine once per dtype):
   bf16  the packed matmul gives nn.Linear's bits at every row count, so packing changes no output at all and keeps
@@ -50,8 +49,8 @@ class PackedLinear:
     """x [..., K] -> x @ w.T + b [..., N] through the packed copy of w [N, K] (bf16 or fp32, CPU). Eager calls go
     straight to oneDNN; inside `torch.compile` the same call goes through the custom op above, which computes the rows
     in invariant.linear's pieces (the only caller while compiling is the exact path's invariant.linear, which hands
-    it all rows: `splits_rows`). The op's Python wrapper costs ~14 us a call in eager, ~1.7 ms a step over 120
-    calls, so eager does not take it."""
+    it all rows: `splits_rows`). Eager calls do not take the op: its Python wrapper would add to every one of a
+    step's matmul calls."""
 
     splits_rows = True                      # while compiling; read by invariant.linear
 
@@ -75,12 +74,10 @@ class PackedLinear:
 def one_row_exact(k, n, dtype, bias, rows=8):
     """Does a packed [k -> n] matmul on this machine give a row alone the bits it gets among `rows` others? Then
     `invariant.linear` hands a serial step's single row straight to it (`PackedLinear.one_row_exact`) rather than beside
-    a copy of itself: 15-70 us less per call, ~5 ms per SmolLM2 bf16 token. oneDNN picks a kernel by shape and machine,
-    and a 1-row kernel may sum in another order, which random inputs show only now and then (bf16 output hides most
-    of it; SmolLM2's 1536 -> 576 passed 8 random rows here and then decoded differently). So the probe sums inputs on
-    which the order shows in nearly every output (`invariant.order_sensitive`): there, on the AVX512-BF16 CPU this
-    project measures on, 1536 -> 576 differs in ~70 % of its outputs and every k = 576 layer in none. Once per shape
-    and process; ~0.3 s for a 49152-row LM head."""
+    a copy of itself (half the rows to multiply). oneDNN picks a kernel by shape and machine, and a 1-row kernel may
+    sum in another order, which random inputs show only now and then (bf16 output hides most of it: a layer can pass
+    a few random rows and still decode differently). So the probe sums inputs on which the order shows in nearly
+    every output (`invariant.order_sensitive`). Once per shape and process."""
     x, w = invariant.order_sensitive(rows, k, n, dtype)
     packed = torch.ops.mkldnn._reorder_linear_weight(w, 2)
     b = torch.zeros(n, dtype=dtype) if bias else None
@@ -163,8 +160,7 @@ class Packed:
     def holds(self, model):
         """Are these still `model`'s weights, unchanged? False after a weight is replaced (a new Parameter), moved or
         converted (`model.to`: new storage), or updated in place (its version counter). The check walks the weights
-        packing saw (~0.1 ms for SmolLM2's 272), not `model.parameters()` (~0.4 ms and more a call; a step
-        makes two)."""
+        packing saw, a cheaper walk than `model.parameters()` (a step asks twice)."""
         return (len(self.qkv) == len(model.layers) and all(d.get(n) is w for d, n, w in self.slots)
                 and self.key_of() == self.key)
 

@@ -234,3 +234,54 @@ def get_tree(tree, num_heads=None, *, accuracy=None, budget=None):
     if num_heads is not None and tree.max_depth > num_heads:
         raise ValueError(f"tree depth {tree.max_depth} exceeds the {num_heads} heads available")
     return tree
+
+
+class SubTrees:
+    """A fixed candidate tree cut to each step's depth limits (cut trees cached), with the parents that switch a
+    row's nodes off.
+
+    A step of A rows with depth limits d_a verifies the tree cut to depth max_a d_a; row a's nodes deeper than d_a
+    get parent -1, so they are computed and never accepted. budget: the most nodes a step verifies (the whole
+    tree), and room(B) the cache positions a step may append past a row's length: the same, whatever the batch."""
+    fixed = True                        # the same candidate tree every step (CUDA graphs can capture its sizes)
+
+    def __init__(self, tree):
+        self.full = tree
+        self.budget, self.max_depth = tree.size, tree.max_depth
+        self.by_depth = {tree.max_depth: tree}
+
+    def room(self, batch):
+        return self.budget
+
+    def for_depths(self, depths):
+        """depths [A] -> (the tree for the deepest row, parents [T] if every row uses it whole, else [A, T] with -1
+        past a row's depth)"""
+        d = max(depths)
+        if d not in self.by_depth:
+            keep = [p for p in self.full.paths[1:] if len(p) <= d]
+            self.by_depth[d] = Tree.from_choices(keep).to(self.full.parents.device)
+        tree = self.by_depth[d]
+        if min(depths) == d:
+            return tree, tree.parents
+        limit = torch.tensor(depths, device=tree.parents.device)
+        return tree, torch.where(tree.depth[None, :] > limit[:, None], -1, tree.parents[None, :])
+
+
+class DrawnTrees:
+    """The trees of a drafter that draws its own every step (a dynamic tree: at most `nodes` nodes per row, `depth`
+    deep, top_k ranks per node): there is no candidate tree to cut (for_depths gives None), and a step verifies the
+    union of the rows' own trees. Each row keeps up to nodes - 1 drafts, and a rank path of depth d is one of top_k^d,
+    so a step verifies at most
+
+        room(B) = min(B (nodes - 1), top_k + top_k^2 + .. + top_k^depth) + 1  nodes."""
+    fixed = False
+
+    def __init__(self, nodes, depth, top_k):
+        self.budget, self.max_depth = nodes, depth
+        self.paths = sum(top_k ** d for d in range(1, depth + 1))                 # rank paths below the root
+
+    def room(self, batch):
+        return min(batch * (self.budget - 1), self.paths) + 1
+
+    def for_depths(self, depths):
+        return None, None

@@ -13,7 +13,6 @@ import torch
 
 from .drafters import HeadsDrafter
 from .ops import get_ops
-from .step import draft
 from .tree import Tree
 
 
@@ -53,7 +52,7 @@ def drafting_costs(model, heads, trees, reps=7):
     d = HeadsDrafter(heads, model, get_ops("torch", model.device))
     h = torch.randn(1, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(model.dtype)
     root = torch.zeros(1, dtype=torch.int64, device=model.device)
-    return interleaved_medians([lambda t=t.to(model.device): draft(d, h, root, t) for t in trees], reps)
+    return interleaved_medians([lambda t=t.to(model.device): d.draft(None, root, h, t) for t in trees], reps)
 
 
 def interleaved_medians(runs, reps):

@@ -22,7 +22,6 @@ shipped heads and every default), on held-out chat prompts (the first of each ca
 Writes <out>/profile.csv (one row per dtype and configuration, plus the top ops as rows with table=ops) and
 prints the summary table. Every row carries env_info() and the command.
 """
-import argparse
 import os
 import sys
 from collections import defaultdict
@@ -34,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mtp_triton as mt  # noqa: E402
 from mtp_lab.bench.roofline import roofline_fields  # noqa: E402
+from mtp_lab.cli import command_parser, int_at_least  # noqa: E402
 from mtp_lab.bundle import CHAT_PROMPTS, HEADS, SMOLLM2, encode, pick_prompts, read_prompts  # noqa: E402
 from mtp_lab.records import append_rows, env_info, md_table  # noqa: E402
 
@@ -94,11 +94,10 @@ def profile_config(model, prompts, n, eos, kw):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.path.join("out", "profile"))
-    ap.add_argument("--prompts", type=int, default=3)
-    ap.add_argument("--max-new-tokens", type=int, default=48)
-    ap.add_argument("--top", type=int, default=12, help="ops listed per dtype and configuration")
+    ap = command_parser("python scripts/cpu_profile.py", __doc__, "out", "max-new-tokens",
+                        out=os.path.join("out", "profile"), max_new_tokens=48)
+    ap.add_argument("--prompts", type=int_at_least(1), default=3, help="prompts (the first of each category)")
+    ap.add_argument("--top", type=int_at_least(1), default=12, help="ops listed per dtype and configuration")
     a = ap.parse_args(argv)
     cmd = "python scripts/cpu_profile.py " + " ".join(argv if argv is not None else sys.argv[1:])
     tok = mt.load_tokenizer(SMOLLM2)

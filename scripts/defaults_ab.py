@@ -16,7 +16,6 @@ Held-out chat prompts, the first of each category. Writes <out>/defaults.csv (on
 configuration: the rows of `bench.ab`, with the roofline fields) and prints the summary table (decode tokens /
 decode seconds over the prompts).
 """
-import argparse
 import os
 import sys
 
@@ -27,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import mtp_triton as mt  # noqa: E402
 from mtp_lab.bench.ab import Config, run_prompt, summarise, warm_up  # noqa: E402
 from mtp_lab.bench.common import append_rows, env_info  # noqa: E402
+from mtp_lab.cli import command_parser, int_at_least  # noqa: E402
 from mtp_lab.records import md_table  # noqa: E402
 from mtp_lab.bench.hf_baseline import PROMPT_LOOKUP, hf_twin  # noqa: E402
 from mtp_lab.bundle import CHAT_PROMPTS, HEADS, SMOLLM2, encode, pick_prompts, read_prompts  # noqa: E402
@@ -61,10 +61,9 @@ def summary_lines(rows):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.path.join("out", "defaults"))
-    ap.add_argument("--prompts", type=int, default=6)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap = command_parser("python scripts/defaults_ab.py", __doc__, "out", "max-new-tokens",
+                        out=os.path.join("out", "defaults"), max_new_tokens=64)
+    ap.add_argument("--prompts", type=int_at_least(1), default=6, help="prompts (the first of each category)")
     a = ap.parse_args(argv)
     tok = mt.load_tokenizer(SMOLLM2)
     rows_in = pick_prompts(read_prompts(CHAT_PROMPTS), 1)[: a.prompts]

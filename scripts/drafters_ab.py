@@ -11,7 +11,6 @@ our serial and to transformers, τ, acceptance per depth (P(a step accepts >= d 
 the share of a step's time spent drafting, and how many outputs equal our serial's. Writes <out>/drafters.csv (one
 row per prompt and configuration) and prints the table.
 """
-import argparse
 import os
 import sys
 
@@ -21,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mtp_lab.bench.ab import Config, run_prompt, summarise, warm_up  # noqa: E402
 from mtp_lab.bench.common import append_rows, env_info  # noqa: E402
+from mtp_lab.cli import add_common, command_parser  # noqa: E402
 from mtp_lab.records import md_table  # noqa: E402
 from mtp_lab.bench.hf_baseline import hf_twin  # noqa: E402
 from mtp_lab.bundle import SMOLLM2, encode, load_bundle, pick_prompts, read_prompts  # noqa: E402
@@ -48,11 +48,9 @@ def summary_lines(rows):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = command_parser("python scripts/drafters_ab.py", __doc__)
     ap.add_argument("--prompts", required=True, help="a chat prompts JSONL (id, category, text)")
-    ap.add_argument("--per-category", type=int, default=2)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--out", default=os.path.join("out", "drafters"))
+    add_common(ap, "per-category", "max-new-tokens", "out", max_new_tokens=128, out=os.path.join("out", "drafters"))
     a = ap.parse_args(argv)
     model, heads, tok = load_bundle(SMOLLM2, drafter="medusa")
     module = load_bundle(SMOLLM2, drafter="mtp")[1]

@@ -7,12 +7,15 @@ embedded model (CPU, torch path, batch 1): serial, then MTP with the heads' medu
 spreads machine noise evenly; the best (least disturbed) and median round per checkout are printed as a markdown
 table. Used to check that a refactor of the decoding loop does not add per-step overhead.
 """
-import argparse
 import json
 import os
 import statistics
 import subprocess
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from mtp_lab.cli import command_parser, int_at_least  # noqa: E402
 
 CHILD = r"""
 import json, os, sys, time
@@ -53,11 +56,10 @@ def run(checkout, env):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = command_parser("python scripts/engine_overhead.py", __doc__, "threads", threads=1)
     ap.add_argument("--checkout", action="append", required=True, help="a checkout of this repository (repeat)")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--rounds", type=int_at_least(1), default=5)
+    ap.add_argument("--new-tokens", type=int_at_least(1), default=96)
     a = ap.parse_args(argv)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(THREADS=str(a.threads), NEW_TOKENS=str(a.new_tokens), OMP_NUM_THREADS=str(a.threads))

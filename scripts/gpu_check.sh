@@ -75,7 +75,7 @@ log "mode: $([[ $DRY == 1 ]] && echo 'DRY RUN (CPU, tiny sizes)' || echo GPU); O
 # own rows come first). The dry run compiles with one job, on a CPU that CI shares with another test worker:
 # about 55 s alone, more under load.
 aot() {
-  stage aot "$([[ $DRY == 1 ]] && echo 200 || echo 90)" "$PY" -m mtp_triton aot --quick \
+  stage aot "$([[ $DRY == 1 ]] && echo 200 || echo 90)" "$PY" -m mtp_lab aot --quick \
     --jobs "$([[ $DRY == 1 ]] && echo 1 || echo 8)" --out "$WORK/kernels/aot"
 }
 if [[ $DRY == 1 ]]; then aot; fi
@@ -160,10 +160,10 @@ else
 fi
 
 if [[ $DRY == 1 ]]; then
-  stage tables 60 "$PY" -m mtp_triton tables --quick --shape llama7b --out "$OUT/tables"
+  stage tables 60 "$PY" -m mtp_lab tables --quick --shape llama7b --out "$OUT/tables"
 else
   # 64 new tokens: the two default suites then take about 140 s (128 took about 270 s on the first H200 runs)
-  stage tables 170 "$PY" -m mtp_triton tables --resume --max-new-tokens 64 --out "$OUT/tables"
+  stage tables 170 "$PY" -m mtp_lab tables --resume --max-new-tokens 64 --out "$OUT/tables"
 fi
 
 if [[ $DRY == 0 ]]; then aot; fi

@@ -8,7 +8,6 @@ results/cpu/eval/eval.csv (the evaluation harness),
 data/smollm2-135m-instruct-heads/records/train_distill.json (the heads' held-out tau), results/cpu/tables/tables.csv
 (the measured depth sweep), results/cpu/prune/prune.csv (confidence pruning), results/aot/aot.csv (the ahead-of-time GPU audit), and results/<gpu>/ if any.
 """
-import csv
 import glob
 import json
 import os
@@ -19,15 +18,10 @@ from collections import defaultdict
 from mtp_lab.bench.ab import PEER
 from mtp_lab.demo import demo_summary
 from mtp_lab.bench.pruning import prune_summary
-from mtp_lab.records import md_table, write_text
+from mtp_lab.records import command_today, md_table, read_rows, write_text
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEGIN, END = "<!-- results:begin (scripts/render_readme_results.py) -->", "<!-- results:end -->"
-
-
-def _rows(path):
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
 
 
 def _stamp(r):
@@ -45,14 +39,14 @@ def _latest(rows, key="timestamp"):
 
 
 def demo_block(path):
-    rows = _latest(_rows(path))
+    rows = _latest(read_rows(path))
     m = [r for r in rows if r["config"] == "mtp"][0]
     rel = os.path.relpath(path, ROOT)
     peer = any(r["config"] == PEER for r in rows)
     drafter = m.get("drafter") or "medusa"              # rows written before the MTP module shipped: the heads
     what = (f"the MTP module and its dynamic tree of at most {m['tree_size']} nodes" if drafter == "mtp" else
             f"the heads (`--drafter medusa`) and their tree of {m['tree_size']} nodes")
-    out = [f"**Main demo** (`{m['command']}`; {_stamp(m)}; {m['model']}, {m['dtype']}, {m['threads']} threads, "
+    out = [f"**Main demo** (`{command_today(m['command'])}`; {_stamp(m)}; {m['model']}, {m['dtype']}, {m['threads']} threads, "
            f"batch 1, up to {m['max_new_tokens']} new tokens, kernels {m['kernels']}, {what}; rows: `{rel}`):\n"]
     header = (["category", "prompts", "transformers decode tok/s", "our serial decode tok/s", "MTP decode tok/s",
                "MTP vs serial", "MTP vs transformers", "τ", "MTP identical to serial",
@@ -117,12 +111,12 @@ def demo_block(path):
 
 
 def eval_block(path):
-    rows = [r for r in _rows(path) if r.get("section") == "ab"]
+    rows = [r for r in read_rows(path) if r.get("section") == "ab"]
     if not rows:
         return []
     rows = _latest(rows, "commit") if "commit" in rows[0] else rows
     rel = os.path.relpath(path, ROOT)
-    out = [f"**Evaluation harness** (`{rows[0]['command']}`; {_stamp(rows[0])}; greedy, batch 1; rows: `{rel}`, "
+    out = [f"**Evaluation harness** (`{command_today(rows[0]['command'])}`; {_stamp(rows[0])}; greedy, batch 1; rows: `{rel}`, "
            f"report: `{os.path.dirname(rel)}/report.md`):\n"]
     body = []
     for sc in sorted({r["scenario"] for r in rows}) + ["all"]:
@@ -165,13 +159,13 @@ def heads_block(path):
 
 
 def sweep_block(path):
-    rows = [r for r in _rows(path) if r.get("suite") == "smollm2" and r.get("table") == "sweep"]   # measured
+    rows = [r for r in read_rows(path) if r.get("suite") == "smollm2" and r.get("table") == "sweep"]   # measured
     if not rows:
         return []
     rows = _latest(rows, "run_id") if "run_id" in rows[0] else rows
     rel = os.path.relpath(path, ROOT)
     r0 = rows[0]
-    out = [f"**Depth sweep on SmolLM2** (`{r0.get('command', 'python -m mtp_lab tables')}`; {_stamp(r0)}; CPU, "
+    out = [f"**Depth sweep on SmolLM2** (`{command_today(r0.get('command', 'python -m mtp_lab tables'))}`; {_stamp(r0)}; CPU, "
            f"bf16, batch 1; rows: `{rel}`; the NPU report's MTP-2/4/8 for Llama-7B on a BM1684 are beside it in "
            f"`{os.path.dirname(rel)}/tables.md`):\n"]
     body = [(r["config"], f"{float(r['tokens_per_s']):.1f}", f"{float(r['ms_per_token']):.1f}",
@@ -181,7 +175,7 @@ def sweep_block(path):
 
 def prune_block(path):
     """Confidence pruning: per prompt set, the newest run's configurations (serial, unpruned, each threshold)."""
-    rows = _rows(path)
+    rows = read_rows(path)
     rel = os.path.relpath(path, ROOT)
     out = []
     for prompts in dict.fromkeys(r["prompts"] for r in rows):
@@ -191,7 +185,7 @@ def prune_block(path):
                 "heads' tree is tuned on them)", "data/chat/dev_chat.jsonl": "the hand-written tuning split "
                 "(`data/chat/dev_chat.jsonl`, where a default threshold would be chosen)"}
         n = len({r["prompt_id"] for r in run})
-        out += [f"**Confidence pruning, {sets.get(prompts, prompts)}** (`{r0['command']}`; {_stamp(r0)}; "
+        out += [f"**Confidence pruning, {sets.get(prompts, prompts)}** (`{command_today(r0['command'])}`; {_stamp(r0)}; "
                 f"{r0['model']}, {r0['dtype']}, {r0['threads']} threads, batch 1, {n} prompts, up to "
                 f"{r0['max_new_tokens']} new tokens, the heads' tree of {r0['tree_size']} nodes; rows: `{rel}`):\n",
                 md_table(["configuration", "decode tok/s", "speedup", "τ", "verified nodes / step", "identical"],
@@ -201,7 +195,7 @@ def prune_block(path):
 
 
 def aot_block(path):
-    rows = _rows(path)
+    rows = read_rows(path)
     rel = os.path.relpath(path, ROOT)
     r0 = rows[0]
     per = defaultdict(lambda: dict(n=0, ok=0, regs=0, spill=0, shared=0, tc=set()))
@@ -242,10 +236,10 @@ def defaults_block(path):
     spec = importlib.util.spec_from_file_location("defaults_ab", os.path.join(ROOT, "scripts", "defaults_ab.py"))
     ab = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ab)
-    rows = _latest(_rows(path), key="commit")                   # each row has its own timestamp: the newest commit
+    rows = _latest(read_rows(path), key="commit")                   # each row has its own timestamp: the newest commit
     m = rows[0]
     n = len({r["prompt_id"] for r in rows})
-    return [f"**Library defaults** (`{m['command']}`; {_stamp(m)}; smollm2-135m-instruct, {m['threads']} threads, "
+    return [f"**Library defaults** (`{command_today(m['command'])}`; {_stamp(m)}; smollm2-135m-instruct, {m['threads']} threads, "
             f"batch 1, greedy, {n} held-out chat prompts (the first of each category), each configuration on each "
             f"prompt in turn; `load_model` with its default dtype (the checkpoint's: float32) and with bfloat16, "
             f"`load_heads`, `generate(..., heads=heads)`; rows: `{os.path.relpath(path, ROOT)}`):\n",
@@ -270,11 +264,11 @@ def drafters_block(path):
     ab = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ab)
     rows = []
-    every = _rows(path)
+    every = read_rows(path)
     for ps in dict.fromkeys(r["prompt_set"] for r in every):
         rows += _latest([r for r in every if r["prompt_set"] == ps], key="commit")
     m = rows[0]
-    cmds = "; ".join(dict.fromkeys(f"`{r['command']}`" for r in rows))
+    cmds = "; ".join(dict.fromkeys(f"`{command_today(r['command'])}`" for r in rows))
     return [f"**Medusa-style heads vs the MTP module** ({cmds}; {_stamp(m)}; "
             f"smollm2-135m-instruct in {m['dtype']}, {m['threads']} threads, batch 1, greedy, {m['max_new_tokens']} "
             f"new tokens, each configuration on each prompt in turn; the module's card: "
@@ -297,7 +291,7 @@ def gpu_block(folder):
     attention and KV-append kernels against their PyTorch baselines."""
     rel = os.path.relpath(folder, ROOT)
     runs = sorted(glob.glob(os.path.join(folder, "run*")))
-    e2e = [r for d in runs if os.path.exists(os.path.join(d, "e2e.csv")) for r in _rows(os.path.join(d, "e2e.csv"))]
+    e2e = [r for d in runs if os.path.exists(os.path.join(d, "e2e.csv")) for r in read_rows(os.path.join(d, "e2e.csv"))]
     if not e2e:
         return [f"**GPU runs:** `{rel}`", ""]
     # one e2e invocation = one run_id with one kernel kind; a later run of the same (model, dtype, kind) replaces it
@@ -355,7 +349,7 @@ def gpu_block(folder):
              for x in sorted(glob.glob(os.path.join(d, "kernels", "junit-*.xml")))]
     out.append("\nTests on the GPU (pytest's junit files, beside the rows; the runs' logs say what failed and why): "
                + "; ".join(f"`{name}` {n} run, {bad} failed, {skip} skipped" for name, (n, bad, skip) in tests) + ".")
-    ta = [r for d in runs for x in glob.glob(os.path.join(d, "kernels", "tree_attention.csv")) for r in _rows(x)]
+    ta = [r for d in runs for x in glob.glob(os.path.join(d, "kernels", "tree_attention.csv")) for r in read_rows(x)]
     if ta:
         secs = {(r["provider"], r["layout"], r["context"], r["T"], r["batch"]): float(r["seconds"]) for r in ta}
         launch = [r for r in ta if r["provider"] == "triton-launch"]
@@ -373,7 +367,7 @@ def gpu_block(folder):
                    f"beat SDPA over an already-contiguous cache on {faster} of {len(launch)} shapes, and SDPA with the "
                    f"gather a paged cache needs first on {faster_paged}; the public call with its value "
                    f"checks (host syncs) took at least {min(checked) * 1e3:.2f} ms at every shape.")
-    kv = [r for d in runs for x in glob.glob(os.path.join(d, "kernels", "kv_append.csv")) for r in _rows(x)]
+    kv = [r for d in runs for x in glob.glob(os.path.join(d, "kernels", "kv_append.csv")) for r in read_rows(x)]
     if kv:
         pairs = [(float(r["time_s"]), float(v["time_s"])) for r in kv if r["provider"] == "triton-launch"
                  for v in kv if v["provider"] == "torch-vectorized" and all(v[k] == r[k] for k in ("model", "batch",

@@ -131,9 +131,10 @@ def test_numpy_eos_ids_work_like_a_list(model):
         mt.generate(model, [[5, 17, 33]], 4, eos_token_id=np.array([1.0]))
 
 
-@pytest.mark.parametrize("kw", [dict(cold_start_tokens="3"), dict(cold_start_tokens=1.5), dict(depth_window=0),
-                                dict(min_depth=True), dict(fallback_steps=-1), dict(start_depth=-1),
-                                dict(rise=float("nan")), dict(accept_up=1.5), dict(fallback_threshold="0.2")],
+@pytest.mark.parametrize("kw", [dict(fallback_steps="3"), dict(fallback_steps=1.5), dict(fallback_window=0),
+                                dict(fallback_window=True), dict(fallback_steps=-1),
+                                dict(fallback_deficit=float("nan")), dict(fallback_threshold=1.5),
+                                dict(fallback_threshold="0.2")],
                          ids=lambda kw: "-".join(f"{k}={v!r}" for k, v in kw.items()))
 def test_runtime_config_names_the_bad_field(kw):
     with pytest.raises(ValueError, match=next(iter(kw))):
@@ -141,12 +142,12 @@ def test_runtime_config_names_the_bad_field(kw):
 
 
 def test_runtime_as_a_dict(model):
-    want = mt.generate(model, [[5, 17, 33]], 8, mtp=False, runtime=mt.RuntimeConfig(cold_start_tokens=2)).tokens
-    assert mt.generate(model, [[5, 17, 33]], 8, mtp=False, runtime={"cold_start_tokens": 2}).tokens == want
-    with pytest.raises(ValueError, match="cold_start"):
-        mt.generate(model, [[5, 17, 33]], 8, mtp=False, runtime={"cold_start": 2})
+    want = mt.generate(model, [[5, 17, 33]], 8, mtp=False, runtime=mt.RuntimeConfig(fallback_steps=2)).tokens
+    assert mt.generate(model, [[5, 17, 33]], 8, mtp=False, runtime={"fallback_steps": 2}).tokens == want
+    with pytest.raises(ValueError, match="fallback_step"):
+        mt.generate(model, [[5, 17, 33]], 8, mtp=False, runtime={"fallback_step": 2})
     with pytest.raises(ValueError, match="runtime must be"):
-        mt.generate(model, [[5, 17, 33]], 8, mtp=False, runtime="cold_start_tokens=2")
+        mt.generate(model, [[5, 17, 33]], 8, mtp=False, runtime="fallback_steps=2")
 
 
 @pytest.mark.parametrize("bad", [2.5, 0, True, "16"])
@@ -182,7 +183,7 @@ def test_demo_and_generate_refuse_bad_flags(args, words):
 
 
 @pytest.mark.parametrize("content, words", [
-    (None, ["no prompts file"]),
+    (None, ["prompts.jsonl", "no such file"]),
     ('{"text": "a"}\n{"text": "b', ["prompts.jsonl:2", "torn"]),
     ('{"prompt": "a"}\n', ["prompts.jsonl:1", "text"]),
     (b'{"text": "\xff"}\n', ["UTF-8"]),

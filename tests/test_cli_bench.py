@@ -17,7 +17,7 @@ def test_bad_flags_are_one_line(tmp_path, args, words):
 
 
 @pytest.mark.parametrize("content, words", [
-    (None, ["no prompts file"]),
+    (None, ["p.jsonl", "no such file"]),
     ('{"text": "a"}\n{"text": "b', ["p.jsonl:2", "torn"]),
     ('{"prompt": "a"}\n', ["p.jsonl:1", "text"]),
 ], ids=["missing", "torn", "no-text"])

@@ -64,8 +64,8 @@ def _write(path, data):
 
 
 @pytest.mark.parametrize("name, data, words", [
-    ("torn.jsonl", b'{"text": "def f(): pass"}\n{"text": "def g(): ret', ["torn.jsonl", "line 2", "JSON"]),
-    ("notext.jsonl", b'{"text": "a"}\n{"body": "b"}\n', ["notext.jsonl", "line 2", "text"]),
+    ("torn.jsonl", b'{"text": "def f(): pass"}\n{"text": "def g(): ret', ["torn.jsonl:2", "JSON", "torn"]),
+    ("notext.jsonl", b'{"text": "a"}\n{"body": "b"}\n', ["notext.jsonl:2", "text"]),
     ("latin1.txt", b"def f():\n    return '\xe9'\n", ["latin1.txt", "UTF-8"]),
     ("missing.jsonl", None, ["missing.jsonl", "--data"]),
 ])
@@ -110,7 +110,7 @@ OWNED = ["mtp_lab/train_heads.py", "mtp_lab/corpus.py", "scripts/render_readme_r
 # its format=); transformers' save_pretrained of a model folder is the library's own
 NON_ATOMIC = re.compile(r"""open\([^)]*["'](?:w|wb|x|xb|w\+)["']|torch\.save\(|json\.dump\(|\.savefig\((?![^)]*format=)""")
 # files written on purpose another way: tool inputs in a temporary folder (cubin.py); append-only JSONL logs whose
-# torn last line a rerun skips and redoes (answers.py, self_prompts.py open with "a", not matched above)
+# torn last line a rerun cuts off and redoes (answers.py, self_prompts.py append through records.open_log)
 ALLOWED = {"mtp_lab/aot/cubin.py": 2}
 
 

@@ -1,4 +1,4 @@
-"""The verify-step cost model (mtp_triton.costs) and what it drives on a CPU by default: the pruner (step.CostPruner),
+"""The verify-step cost model (mtp_triton.costs) and what it drives on a CPU by default: the pruner (sizing.CostPruner),
 and the fallback by cost with the calibration it feeds the pruner (policy.RuntimePolicy): the table's interpolation
 and cache, the choice of n per row, the fallback's deficit and backoff, and lossless decoding with both."""
 import json
@@ -11,7 +11,7 @@ from mtp_triton import costs
 from mtp_triton.costs import StepCosts, step_costs
 from mtp_triton.drafters import OracleDrafter
 from mtp_triton.policy import RuntimeConfig, RuntimePolicy
-from mtp_triton.step import CostPruner
+from mtp_triton.sizing import CostPruner
 from mtp_triton.tree import get_tree
 from hf_models import make_hf
 from test_pruning import _path_probs, case  # noqa: F401  (case: the tiny model, two prompts, transformers' tokens)
@@ -155,11 +155,10 @@ def test_a_step_costs_its_verify_ratio_and_its_drafting_in_serial_steps():
 def test_fallback_by_cost_adds_up_the_loss_and_backs_off():
     cfg = RuntimeConfig(fallback_steps=4, fallback_deficit=2.0)
     pol = RuntimePolicy(cfg, batch=2, max_depth=3, by_cost=True)
-    emitted = [[1], [1]]
 
     def step(tokens, cost, acc=0, pred=1.0):
-        depths = pol.depths([0, 1], emitted)
-        return depths, pol.update([0, 1], depths, [acc, acc], [tokens, 3], 0.05, [pred, pred], cost)
+        depths = pol.depths([0, 1])
+        return depths, pol.update([0, 1], depths, [acc, acc], [tokens, 3], [pred, pred], cost)
 
     # sequence 0 emits 1 token per step costing 1.5 serial steps: 0.5 lost a step, serial after 4 steps
     # (sequence 1 emits 3 per step: it never falls back)
@@ -175,13 +174,13 @@ def test_fallback_by_cost_adds_up_the_loss_and_backs_off():
         assert step(1, 1.5)[0] == [0, 3]
     assert step(3, 1.5)[0] == [3, 3] and pol.deficit[0] == 0.0 and pol.backoff[0] == 1   # it paid: backoff reset
     # a sequence drafts at most one level below the deepest node the pruner kept at its last step
-    pol.update([0, 1], [3, 3], [0, 0], [3, 3], 0.05, [1.0, 1.0], 1.0, [1, 0])
-    assert pol.depths([0, 1], emitted) == [2, 1]
+    pol.update([0, 1], [3, 3], [0, 0], [3, 3], [1.0, 1.0], 1.0, [1, 0])
+    assert pol.depths([0, 1]) == [2, 1]
     # the calibration the pruner gets: accepted over predicted drafts (+1 each), and the rate, at least 1
     pol = RuntimePolicy(cfg, batch=1, max_depth=3, by_cost=True)
     assert pol.calibration([0]) == ([1.0], [1.0])
-    pol.update([0], [3], [1], [2], 0.05, [3.0], 1.25)
-    pol.update([0], [3], [0], [1], 0.05, [1.0], 1.25)
+    pol.update([0], [3], [1], [2], [3.0], 1.25)
+    pol.update([0], [3], [0], [1], [1.0], 1.25)
     alpha, rho = pol.calibration([0])
     assert alpha[0] == pytest.approx((1 + 1) / (4 + 1)) and rho[0] == pytest.approx(3 / 2.5)
     for bad in (dict(fallback_deficit=-1.0), dict(fallback_by_cost="yes")):

@@ -263,10 +263,10 @@ def test_retree_chooses_and_stores_a_tree_without_touching_the_weights(tmp_path,
 def test_retree_guard_compares_prompt_texts_not_file_names():
     """A tuning set is refused when it shares a prompt with a protected set, however the prompt is cased or spaced
     and whatever the files are called; sets with no prompt in common pass, and the message names both files."""
-    from mtp_lab.training.retree import prompt_hash, refuse_protected_prompts
+    from mtp_lab.training.retree import normalise, refuse_protected_prompts
     held = {"held.jsonl": [dict(id="h1", text="How do I sort a list?"), dict(id="h2", text="Write a poem.")]}
-    assert prompt_hash("  HOW do i\n sort a  LIST?") == prompt_hash("How do I sort a list?")
-    assert prompt_hash("Straße") == prompt_hash("STRASSE")                     # case-folded, not only lower-cased
+    assert normalise("  HOW do i\n sort a  LIST?") == normalise("How do I sort a list?")
+    assert normalise("Straße") == normalise("STRASSE")                         # case-folded, not only lower-cased
     refuse_protected_prompts({"mine.jsonl": [dict(id="m1", text="How do I sort a dict?")]}, held)
     with pytest.raises(ValueError, match=r"mine\.jsonl shares 1 prompt.*held\.jsonl.*'m2' = 'h2'"):
         refuse_protected_prompts({"mine.jsonl": [dict(id="m1", text="x"), dict(id="m2", text="write A POEM.")]}, held)

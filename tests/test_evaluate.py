@@ -136,7 +136,8 @@ def _accept_one_wrong_token(orig):
 def test_quality_gate_fails_on_broken_acceptance(tiny_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(reference, "tree_accept", _accept_one_wrong_token(reference.tree_accept))
     # flat step costs: every step verifies its whole tree, so every request meets the broken rule
-    monkeypatch.setattr(generate_module, "step_costs", lambda model, n, *a, **k: StepCosts([1, n], [1.0, 1.0]))
+    sizing = importlib.import_module("mtp_triton.sizing") if not hasattr(generate_module, "step_costs") else generate_module
+    monkeypatch.setattr(sizing, "step_costs", lambda model, n, *a, **k: StepCosts([1, n], [1.0, 1.0]))
     out = str(tmp_path / "broken")
     rc = ev.main(["--model", tiny_dir, "--quick", "--scenarios", "code_completion", "--no-edge", "--out", out,
                   "--no-progress"])

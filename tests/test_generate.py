@@ -1,4 +1,5 @@
-"""The decoding loop: bad input, runtime features (cold start, dynamic depth, fallback), stats, sampling."""
+"""The decoding loop: bad input, the drafter argument, runtime features (fallback, per-sequence depth), stats,
+sampling."""
 import math
 
 import pytest
@@ -78,16 +79,6 @@ def test_mtp_switch_off_equals_serial(model, serial):
     assert res.tokens == serial and res.stats.tree_size == 1
 
 
-def test_cold_start_is_serial_first(model, serial):
-    drafter = OracleDrafter(serial, [1.0] * 4, 203)
-    rt = mt.RuntimeConfig(cold_start_tokens=5)
-    res = mt.generate(model, PROMPTS, 40, drafter=drafter, tree="chain-4", runtime=rt)
-    assert res.tokens == serial
-    # 3 sequences x 4 serial steps (tokens 2..5) accept nothing, the rest accept all 4 drafts
-    assert res.stats.accept_len_histogram[0] == 3 * 4
-    assert res.stats.accept_len_histogram[4] >= 3 * 7
-
-
 def test_fallback_to_serial_when_acceptance_is_low(model, serial):
     drafter = OracleDrafter(serial, [0.0] * 4, 203)
     rt = mt.RuntimeConfig(fallback_threshold=0.2, fallback_window=3, fallback_steps=5)
@@ -98,33 +89,36 @@ def test_fallback_to_serial_when_acceptance_is_low(model, serial):
     assert off.stats.fallback_count == 0
 
 
-def test_acceptance_driven_depth_grows_and_shrinks(model, serial):
-    good = OracleDrafter(serial, [1.0] * 8, 203)
-    rt = mt.RuntimeConfig(dynamic_depth="acceptance", depth_window=2, start_depth=1)
-    res = mt.generate(model, PROMPTS, 40, drafter=good, tree="chain-8", runtime=rt)
-    assert res.tokens == serial
-    hist = res.stats.accept_len_histogram
-    assert len(hist) > 3 and hist[-1] > 0          # depth grew from 1 to >= 3
-    bad = OracleDrafter(serial, [0.0] * 8, 203)
-    res = mt.generate(model, PROMPTS, 40, drafter=bad, tree="chain-8",
-                      runtime=mt.RuntimeConfig(dynamic_depth="acceptance", depth_window=2))
-    assert res.tokens == serial
-    reached = res.stats.accept_rate_per_depth
-    assert len(reached) == 8                        # started at 8 and was cut down
-
-
-def test_throughput_rule_runs(model, serial):
-    drafter = OracleDrafter(serial, [0.8] * 4, 203)
-    rt = mt.RuntimeConfig(dynamic_depth="throughput", depth_window=2)
-    assert mt.generate(model, PROMPTS, 40, drafter=drafter, tree="chain-4", runtime=rt).tokens == serial
-
-
 def test_per_sequence_depth_masks(model, serial):
-    """Sequences with different depth limits in one batch (per-sequence depth control)."""
-    good = OracleDrafter(serial, [1.0] * 4, 203)
-    rt = mt.RuntimeConfig(dynamic_depth="acceptance", depth_window=1, start_depth=1, accept_up=1.0)
-    res = mt.generate(model, PROMPTS, 40, drafter=good, tree="medusa-16", runtime=rt)
+    """Sequences at different depths in one batch: the one whose drafts are always wrong falls back to serial steps
+    (depth 0) while the others draft the whole tree, so the step's parents switch nodes off per row."""
+    truth = [serial[0], [(t + 1) % 203 for t in serial[1]], serial[2]]        # sequence 1: drafts never right
+    drafter = OracleDrafter(truth, [1.0] * 4, 203)
+    rt = mt.RuntimeConfig(fallback_threshold=0.5, fallback_window=1, fallback_steps=3)
+    res = mt.generate(model, PROMPTS, 40, drafter=drafter, tree="medusa-16", runtime=rt)
     assert res.tokens == serial
+    assert res.stats.fallback_count >= 2 and res.stats.accept_len_histogram[0] >= 1
+
+
+def test_drafter_argument_takes_heads_modules_and_drafters(model, serial):
+    """drafter= takes MTP heads, an MTP module or a drafters.Drafter; heads= is its older name (one of them)."""
+    from mtp_triton.drafters import HeadsDrafter
+    from mtp_triton.ops import get_ops
+    from test_mtp_module import random_module
+    heads = mt.init_heads(model, 4, seed=1)
+    kw = dict(tree="medusa-16")
+    want = mt.generate(model, PROMPTS, 12, heads=heads, **kw)
+    for drafter in (heads, HeadsDrafter(heads, model, get_ops("auto", model.device))):
+        got = mt.generate(model, PROMPTS, 12, drafter=drafter, **kw)
+        assert got.tokens == want.tokens == [t[:12] for t in serial]
+        assert got.stats.accept_len_histogram == want.stats.accept_len_histogram
+    mod = random_module(model, depth=2, top_k=3, beam=2, nodes=5)
+    assert mt.generate(model, PROMPTS, 12, drafter=mod).tokens == mt.generate(model, PROMPTS, 12, heads=mod).tokens
+    assert mt.generate(model, PROMPTS, 12, drafter=heads, mtp=False).stats.tree_size == 1
+    with pytest.raises(ValueError, match="not both"):
+        mt.generate(model, PROMPTS, 4, drafter=heads, heads=heads)
+    with pytest.raises(ValueError, match="drafter must be"):
+        mt.generate(model, PROMPTS, 4, drafter="medusa")
 
 
 def test_stats_fields(model, serial):

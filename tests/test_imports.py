@@ -1,5 +1,6 @@
 """Importing the package, its references or any one kernel file changes no environment variable (in a clean
-subprocess), `mtp_triton.reference` imports no triton, and the interpreter is an explicit, checked choice."""
+subprocess), `mtp_triton.reference` and the twins beside the kernels import no triton, and the interpreter is an
+explicit, checked choice."""
 import json
 import subprocess
 import sys

@@ -1,5 +1,6 @@
-"""Batch-invariant attention: a node's bf16 output is bit-identical whether its ancestors are cached (serial decoding)
-or tree nodes (an MTP step), so bf16 MTP emits exactly the serial tokens."""
+"""The exact mode: batch-invariant linear layers (invariant.py) and attention (the twin's tree_attention(exact=True)):
+a node's bf16 output is bit-identical whether its ancestors are cached (serial decoding) or tree nodes (an MTP step),
+so bf16 MTP emits exactly the serial tokens."""
 import pytest
 import torch
 
@@ -65,11 +66,11 @@ def _serial_equivalent(case, tree, b, i, window):
         p = n + d
         blk = int(bt[b, p // BS])
         kc[blk, p % BS], vc[blk, p % BS] = k_tree[b, j], v_tree[b, j]
-    return inv.tree_attention(q[b:b + 1, i:i + 1].contiguous(), kc, vc, bt[b:b + 1].contiguous(),
+    return ref.tree_attention(q[b:b + 1, i:i + 1].contiguous(), kc, vc, bt[b:b + 1].contiguous(),
                               torch.tensor([n + len(anc)], dtype=torch.int32, device=q.device),
                               k_tree[b:b + 1, i:i + 1].contiguous(), v_tree[b:b + 1, i:i + 1].contiguous(),
                               torch.ones(1, 1, dtype=torch.bool, device=q.device),
-                              window=window)[0, 0]
+                              window=window, exact=True)[0, 0]
 
 
 @pytest.mark.parametrize("ns", [[0], [5], [31], [32], [33], [63], [100, 7, 64]], ids=str)
@@ -78,7 +79,7 @@ def _serial_equivalent(case, tree, b, i, window):
 def test_tree_step_is_bit_identical_to_serial_steps(ns, tree_name, window):
     tree = Tree.from_choices(PRESETS[tree_name])
     case = _case(ns, tree)
-    out = inv.tree_attention(*case, tree.mask, window=window)
+    out = ref.tree_attention(*case, tree.mask, window=window, exact=True)
     for b in range(len(ns)):
         for i in range(tree.size):
             assert torch.equal(out[b, i], _serial_equivalent(case, tree, b, i, window)), (b, i)
@@ -87,7 +88,7 @@ def test_tree_step_is_bit_identical_to_serial_steps(ns, tree_name, window):
 def test_close_to_the_fp32_twin():
     tree = Tree.from_choices(PRESETS["medusa-16"])
     q, kc, vc, bt, cl, kt, vt = _case([70, 3], tree, Hq=4, Hkv=2, Dh=24)
-    out = inv.tree_attention(q, kc, vc, bt, cl, kt, vt, tree.mask).float()
+    out = ref.tree_attention(q, kc, vc, bt, cl, kt, vt, tree.mask, exact=True).float()
     want = ref.tree_attention(q.float(), kc.float(), vc.float(), bt, cl, kt.float(), vt.float(), tree.mask)
     assert (out - want).abs().max() < 3e-2                      # bf16 probabilities and chunk partials
 
@@ -99,7 +100,7 @@ def test_nan_in_slots_nobody_sees_is_ignored():
     for blk in range(kc.shape[0]):
         if blk not in used:
             kc[blk], vc[blk] = float("nan"), float("nan")
-    assert not torch.isnan(inv.tree_attention(q, kc, vc, bt, cl, kt, vt, tree.mask)).any()
+    assert not torch.isnan(ref.tree_attention(q, kc, vc, bt, cl, kt, vt, tree.mask, exact=True)).any()
 
 
 @pytest.mark.parametrize("tree", ["chain-4", "medusa-16", "medusa-64"])
@@ -110,6 +111,20 @@ def test_bf16_mtp_equals_serial_end_to_end(tree):
     prompts = [[5, 17, 33, 42, 90, 1] * 6, [7, 8, 9], list(range(10, 47))]
     serial = mt.generate(model, prompts, 40, mtp=False).tokens
     assert mt.generate(model, prompts, 40, heads=heads, tree=tree).tokens == serial
+
+
+def test_the_cpu_engine_attends_through_the_twin(monkeypatch):
+    """kernels="torch" (and "auto" on a CPU) runs every layer's attention through `reference.tree_attention`: its
+    exact=True in bf16, the plain twin in fp32 (no private attention in the engine)."""
+    seen = []
+    real = ref.tree_attention
+    monkeypatch.setattr(ref, "tree_attention", lambda *a, **kw: seen.append(kw["exact"]) or real(*a, **kw))
+    for dtype, exact in ((DT, True), (torch.float32, False)):
+        model = mt.LlamaEngine.from_hf(make_hf("gqa-hd16-v203-untied-L2"), dtype=dtype)
+        seen.clear()
+        mt.generate(model, [[5, 17, 33]], 3, mtp=False)
+        decode = seen[model.config.num_hidden_layers:]                      # after the prefill's (exact=False)
+        assert decode and len(decode) % model.config.num_hidden_layers == 0 and set(decode) == {exact}, (dtype, seen)
 
 
 # ---- the same guarantees on a GPU, where the exact path is the PyTorch twins' (kernels="torch") ----
@@ -127,7 +142,7 @@ def test_gpu_premises_hold(dtype):
 def test_gpu_tree_step_is_bit_identical_to_serial_steps(ns, window):
     tree = Tree.from_choices(PRESETS["medusa-16"])
     case = tuple(t.cuda() for t in _case(ns, tree, Hq=32, Hkv=32, Dh=128))        # Llama-2-7B's heads (G = 1)
-    out = inv.tree_attention(*case, tree.mask.cuda(), window=window)
+    out = ref.tree_attention(*case, tree.mask.cuda(), window=window, exact=True)
     for b in range(len(ns)):
         for i in range(tree.size):
             assert torch.equal(out[b, i], _serial_equivalent(case, tree, b, i, window)), (b, i)

@@ -70,10 +70,12 @@ def test_unroll_is_the_decoding_step(model):
         torch.testing.assert_close(out[:, 0], f1[:, m], rtol=1e-9, atol=1e-9)
 
 
-@pytest.mark.parametrize("runtime", [None, mt.RuntimeConfig(cold_start_tokens=4),
-                                     mt.RuntimeConfig(dynamic_depth="acceptance", start_depth=1)])
+@pytest.mark.parametrize("runtime", [None, mt.RuntimeConfig(fallback_threshold=1.0, fallback_window=1,
+                                                           fallback_steps=2)])
 def test_greedy_is_serial(model, runtime):
-    """Greedy MTP with the module and its dynamic tree emits the serial tokens (batch of 3, lengths differ)."""
+    """Greedy MTP with the module and its dynamic tree emits the serial tokens (batch of 3, lengths differ); with a
+    fallback after every step that missed a draft, serial steps (depth 0) come between, whose pairs the module
+    commits with the next step that drafts."""
     serial = mt.generate(model, PROMPTS, 30, mtp=False).tokens
     mod = random_module(model, depth=3, top_k=4, beam=2, nodes=9)
     res = mt.generate(model, PROMPTS, 30, heads=mod, runtime=runtime)

@@ -1,4 +1,4 @@
-"""Confidence pruning (RuntimeConfig.prune_below, step.Pruner): each step verifies only the drafted nodes whose path
+"""Confidence pruning (RuntimeConfig.prune_below, sizing.Pruner): each step verifies only the drafted nodes whose path
 probability under the heads reaches a threshold; the output stays the target's own."""
 import pytest
 import torch
@@ -6,7 +6,7 @@ import torch
 import mtp_triton as mt
 from mtp_triton.drafters import HeadsDrafter, OracleDrafter
 from mtp_triton.ops import get_ops
-from mtp_triton.step import Pruner, draft
+from mtp_triton.sizing import Pruner
 from mtp_triton.tree import get_tree
 from hf_models import hf_greedy, make_hf
 from test_heads import token_heads
@@ -18,6 +18,12 @@ def case():
     model = mt.LlamaEngine.from_hf(hf)
     prompts = [[5, 17, 33, 42, 90, 1], [7, 8, 9]]
     return model, prompts, hf_greedy(hf, prompts, 24)
+
+
+def draft(drafter, hidden, roots, tree, min_prob=None):
+    """The drafter's tokens [A, T] on `tree`, and with min_prob their path probabilities [A, T]."""
+    _, tokens, prob, _ = drafter.draft(None, roots, hidden, tree, min_prob=min_prob)
+    return tokens if min_prob is None else (tokens, prob)
 
 
 def _path_probs(tree, node_prob):
@@ -74,7 +80,7 @@ def test_bad_prune_setting(bad):
 
 
 def test_path_probabilities_are_the_heads_probabilities(case):
-    """draft(min_prob=...) returns prod over the path of the heads' softmax probabilities at each node's token."""
+    """Drafter.draft(min_prob=...) returns prod over the path of the heads' probabilities of each node's token."""
     model, _, _ = case
     D, V = model.config.hidden_size, model.config.vocab_size
     ops = get_ops("torch", model.device)
@@ -131,7 +137,7 @@ def test_pruned_decoding_is_lossless_and_verifies_fewer_nodes(case, kind, min_pr
 def test_pruning_with_the_policy_and_bad_combinations(case):
     model, prompts, ref = case
     heads = mt.init_heads(model, 4, seed=2)
-    rt = mt.RuntimeConfig(prune_below=1e-3, cold_start_tokens=3, dynamic_depth="acceptance", depth_window=2)
+    rt = mt.RuntimeConfig(prune_below=1e-3, fallback_threshold=0.5, fallback_window=2, fallback_steps=2)
     assert mt.generate(model, prompts, 24, heads=heads, tree="medusa-16", runtime=rt).tokens == ref
     oracle = OracleDrafter(ref, [0.9] * 4, model.config.vocab_size)
     with pytest.raises(ValueError, match="reports probabilities"):

@@ -581,13 +581,21 @@ def test_exact_tree_step_is_bit_identical_to_serial_steps(window, dtype):
             assert torch.equal(out[b, i], _as_serial_step(c, BUSHY, b, i, window)), (b, i)
 
 
-def test_twin_exact_is_the_batch_invariant_attention():
-    """The twin's exact=True is `invariant.tree_attention`, with the twin's input checks (window included). It
-    expects the blocks a sequence owns to hold no NaN (the engine's caches never do), so the poison is zeroed."""
-    from mtp_triton import invariant
+def test_twin_exact_plans_once_per_step_and_replans_on_change():
+    """The twin's exact=True: the plan + attention of tree_attention_ref, with the twin's input checks (window
+    included). Its plan is kept for the next call (the next layer of a step) only while block_table, cache_lens and
+    tree_mask are equal: a change in place must give the output a fresh plan gives. It expects the blocks a sequence
+    owns to hold no NaN (the engine's caches never do), so the poison is zeroed."""
+    from mtp_triton.kernels import tree_attention_ref as twin
     c = {k: v.nan_to_num() if v.is_floating_point() else v
          for k, v in make_case([5, 40], BUSHY, 4, 2, 16, 16, torch.bfloat16).items()}
-    assert torch.equal(reference.tree_attention(**c, exact=True), invariant.tree_attention(**c))
+    fresh = lambda c: twin.attention(c["q"], c["k_cache"], c["v_cache"], c["k_tree"], c["v_tree"],      # noqa: E731
+                                     twin.plan(c["block_table"], c["cache_lens"], c["tree_mask"], 16))
+    assert torch.equal(reference.tree_attention(**c, exact=True), fresh(c))
+    c["cache_lens"] += 30                                                   # in place: same tensor, new values
+    assert torch.equal(reference.tree_attention(**c, exact=True), fresh(c))
+    c["tree_mask"] = Tree.chain(BUSHY.size - 1).mask.to(c["q"].device)
+    assert torch.equal(reference.tree_attention(**c, exact=True), fresh(c))
     for bad in (0, True):
         with pytest.raises((ValueError, TypeError)):
             reference.tree_attention(**c, exact=True, window=bad, check_values=False)

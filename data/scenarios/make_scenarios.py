@@ -17,7 +17,6 @@ The five scenario kinds of an evaluation framework for MTP, in the model's domai
 Each set has 9 items: 3 short, 3 medium and 3 long outputs (`max_new_tokens` per item, see TIERS).
 The selection is deterministic for a given set of installed package versions (sorted files, seeded choice).
 """
-import argparse
 import ast
 import json
 import os
@@ -26,6 +25,7 @@ import re
 import sysconfig
 from importlib import metadata
 
+from mtp_lab.cli import command_parser
 from mtp_lab.records import write_text
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -292,9 +292,7 @@ def build(seed=0):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=HERE)
-    ap.add_argument("--seed", type=int, default=0)
+    ap = command_parser("python data/scenarios/make_scenarios.py", __doc__, "out", "seed", out=HERE)
     a = ap.parse_args(argv)
     sets = build(a.seed)
     for name, rows in sets.items():

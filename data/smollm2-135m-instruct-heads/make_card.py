@@ -5,7 +5,7 @@
 import json
 import os
 
-from mtp_lab.records import percents as pct, read_json, sha256_file, write_text
+from mtp_lab.records import command_today, md_table, percents as pct, read_json, read_rows, sha256_file, write_text
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -29,27 +29,26 @@ def chat_tau(info, retree):
 def goals(info, retree):
     """The project's targets for these heads, against what records/ and the main demo's rows say."""
     tau, src = chat_tau(info, retree)
-    out = ["\n## Targets\n", "| target | measured | source | verdict |", "|---|---|---|---|"]
+    body = []
     if tau is not None:
-        out.append(f"| τ ≥ 2.2 on the held-out chat prompts, shipped tree, greedy | {tau:.3f} (simulated, exact for "
-                   f"greedy) | {src} | {'met' if tau >= 2.2 else 'not met'} |")
+        body.append(("τ ≥ 2.2 on the held-out chat prompts, shipped tree, greedy",
+                     f"{tau:.3f} (simulated, exact for greedy)", src, "met" if tau >= 2.2 else "not met"))
     demo = os.path.join(HERE, "..", "..", "results", "cpu", "demo", "demo.csv")
     if os.path.exists(demo):
-        import csv
         from mtp_lab.demo import demo_summary
-        rows = [r for r in csv.DictReader(open(demo, newline=""))            # runs with these heads (rows written
+        rows = [r for r in read_rows(demo)                                   # runs with these heads (rows written
                 if (r.get("drafter") or "medusa") == "medusa"]                   # before the module: the heads)
         last = max(r["timestamp"] for r in rows)
         rows = [r for r in rows if r["timestamp"] == last]                  # the newest run
         s = demo_summary(rows)
         m = next(r for r in rows if r["config"] == "mtp")
-        src = f"results/cpu/demo/demo.csv (`{m['command']}`, commit {m['commit']})"
-        out.append(f"| τ ≥ 2.2, measured in the main demo ({s['prompts']} prompts) | {s['tau']:.3f} | {src} | "
-                   f"{'met' if s['tau'] >= 2.2 else 'not met'} |")
-        out.append(f"| batch-1 decode speedup ≥ 1.3× on the 2-core CPU ({m['dtype']}, {m['threads']} threads), "
-                   f"identical output | {s['speedup']:.2f}×, {s['identical']}/{s['prompts']} identical | {src} | "
-                   f"{'met' if s['speedup'] >= 1.3 and s['identical'] == s['prompts'] else 'not met'} |")
-    return out
+        src = f"results/cpu/demo/demo.csv (`{command_today(m['command'])}`, commit {m['commit']})"
+        body.append((f"τ ≥ 2.2, measured in the main demo ({s['prompts']} prompts)", f"{s['tau']:.3f}", src,
+                     "met" if s["tau"] >= 2.2 else "not met"))
+        body.append((f"batch-1 decode speedup ≥ 1.3× on the 2-core CPU ({m['dtype']}, {m['threads']} threads), "
+                     "identical output", f"{s['speedup']:.2f}×, {s['identical']}/{s['prompts']} identical", src,
+                     "met" if s["speedup"] >= 1.3 and s["identical"] == s["prompts"] else "not met"))
+    return ["\n## Targets\n", md_table(["target", "measured", "source", "verdict"], body)]
 
 
 def bigger_trees(meta, nodes, tuned_on):
@@ -168,13 +167,11 @@ def main():
              "include.\n")
     L.append("## Held-out accuracy (teacher-forced on this engine's own greedy answers)\n")
     L.append("acc[h][r] = P(rank r of head h is the base's greedy token), over every answer position.\n")
-    L.append("| held-out set | category | answers | positions | top-1 per head (%) | top-5 per head (%) |")
-    L.append("|---|---|---|---|---|---|")
-    for name, ev in info["heldout"].items():
-        for cat, e in ev.items():
-            acc = e["acc"]
-            L.append(f"| {name} | {cat} | {e['answers']} | {e['positions']} | {pct([a[0] for a in acc])} | "
-                     f"{pct([sum(a[:5]) for a in acc])} |")
+    L.append(md_table(["held-out set", "category", "answers", "positions", "top-1 per head (%)",
+                       "top-5 per head (%)"],
+                      [(name, cat, e["answers"], e["positions"], pct([a[0] for a in e["acc"]]),
+                        pct([sum(a[:5]) for a in e["acc"]])) for name, ev in info["heldout"].items()
+                       for cat, e in ev.items()]))
     L.append("\n## Tokens per step (τ, greedy), by tree and category\n")
     L.append("Exact for greedy decoding: MTP emits the serial tokens, so replaying this engine's own serial answer "
              "with the heads' candidates at each accepted position gives the steps a real run takes "
@@ -184,11 +181,9 @@ def main():
              + (f" ({info['tree_nodes']} nodes; the shipped tree is the one `retree` chose, below)" if retree else
                 ", the shipped one") + ".\n")
     names = list(next(iter(info["heldout"].values()))["all"]["tau"])
-    L.append("| held-out set | category | " + " | ".join(names) + " |")
-    L.append("|---|---|" + "---|" * len(names))
-    for name, ev in info["heldout"].items():
-        for cat, e in ev.items():
-            L.append(f"| {name} | {cat} | " + " | ".join(f"{e['tau'][n]:.2f}" for n in names) + " |")
+    L.append(md_table(["held-out set", "category", *names], [(name, cat, *(f"{e['tau'][n]:.2f}" for n in names))
+                                                             for name, ev in info["heldout"].items()
+                                                             for cat, e in ev.items()]))
     if retree:
         L += retree_section(retree, meta)
     else:
@@ -196,10 +191,8 @@ def main():
     if demo:
         L.append(f"\n## Measured with the demo\n\n{demo['text']}\n")
     L.append("\n## Files\n")
-    L.append("| file | sha256 |")
-    L.append("|---|---|")
-    for name in ("heads.safetensors", "heads.json"):
-        L.append(f"| `{name}` | `{sha256_file(os.path.join(HERE, name))}` |")
+    L.append(md_table(["file", "sha256"], [(f"`{name}`", f"`{sha256_file(os.path.join(HERE, name))}`")
+                                           for name in ("heads.safetensors", "heads.json")]))
     L += goals(info, retree)
     tau, _ = chat_tau(info, retree)
     below = tau is not None and tau < 2.2
@@ -220,20 +213,18 @@ def main():
 
 
 def tuning_table(meta):
-    out = ["| budget | nodes | depth | τ simulated | serial step ms | tree step ms | drafting ms | cost ratio | "
-           "predicted speedup |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in meta["tuning"]:
-        out.append(f"| {r['budget']} | {r['nodes']} | {r['depth']} | {r['tau_simulated']:.2f} | "
-                   f"{r['serial_step_ms']:.1f} | {r['step_ms']:.1f} | {r['draft_ms']:.1f} | {r['cost_ratio']:.2f} | "
-                   f"{r['predicted_speedup']:.2f} |")
-    return out
+    return [md_table(["budget", "nodes", "depth", "τ simulated", "serial step ms", "tree step ms", "drafting ms",
+                      "cost ratio", "predicted speedup"],
+                     [(r["budget"], r["nodes"], r["depth"], f"{r['tau_simulated']:.2f}", f"{r['serial_step_ms']:.1f}",
+                       f"{r['step_ms']:.1f}", f"{r['draft_ms']:.1f}", f"{r['cost_ratio']:.2f}",
+                       f"{r['predicted_speedup']:.2f}") for r in meta["tuning"]])]
 
 
 def retree_section(rt, meta):
     """The shipped tree, chosen again by `train_heads retree` (records/retree.json)."""
     cfg = rt["config"]
     L = [f"\n## The tree, chosen again for one machine ({rt['tree_nodes']} nodes, depth {rt['tree_depth']})\n"]
-    L.append("```\n" + rt["command"] + "\n```\n")
+    L.append("```\n" + command_today(rt["command"]) + "\n```\n")
     tune = ", ".join(f"{n} ({k} answers)" for n, k in rt["tune"].items())
     L.append(f"Measured on {rt['device']}, {rt['threads']} threads, torch {rt['torch']}, commit {rt['commit']}, "
              f"{rt['timestamp']}. The tree is chosen from this engine's own greedy answers ({cfg['max_new_tokens']} "
@@ -264,11 +255,8 @@ def retree_section(rt, meta):
                     "a neighbouring tree." if close else ""))
     names = list(next(iter(rt["tau"].values()))["all"])
     L.append("\nτ (greedy, exact simulation as above) of each tree on every set, per category:\n")
-    L.append("| set | category | " + " | ".join(names) + " |")
-    L.append("|---|---|" + "---|" * len(names))
-    for name, per in rt["tau"].items():
-        for cat, t in per.items():
-            L.append(f"| {name} | {cat} | " + " | ".join(f"{t[n]:.2f}" for n in names) + " |")
+    L.append(md_table(["set", "category", *names], [(name, cat, *(f"{t[n]:.2f}" for n in names))
+                                                    for name, per in rt["tau"].items() for cat, t in per.items()]))
     return L
 
 

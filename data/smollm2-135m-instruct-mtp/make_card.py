@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 
 from mtp_lab.bench.ab import summarise  # noqa: E402
-from mtp_lab.records import read_json, read_rows, write_text  # noqa: E402
+from mtp_lab.records import command_today, md_table, read_json, read_rows, write_text  # noqa: E402
 
 AB = os.path.join(ROOT, "results", "cpu", "drafters", "drafters.csv")
 SETS = {"dev_chat": "the tuning split (hand-written chat prompts, data/chat/dev_chat.jsonl)",
@@ -66,7 +66,7 @@ def main():
            if meta.get("draft_choice") else ""), "",
         "Every number below comes from `records/` (written by the training command), `module.json` and "
         "`results/cpu/drafters/drafters.csv` (written by `scripts/drafters_ab.py`), rendered by `make_card.py`.", "",
-        "## How it was made", "", "```", info["command"], "```", "",
+        "## How it was made", "", "```", command_today(info["command"]), "```", "",
         f"- **Machine**: {info['device']}, {info['threads']} threads, torch {info['torch']}, commit {info['commit']}, "
         f"{info['timestamp']}.",
         f"- **Data** (self-distillation): the model's own greedy answers to {info['rows']} of the training prompts "
@@ -84,36 +84,33 @@ def main():
         "## Accuracy by depth (teacher-forced, held-back answers)", "",
         "Top-1 of unroll step k = the answer's token, given the k drafts before it were the answer's own: the "
         "chance that depth k + 1 of a chain is accepted once the depths above it were.", "",
-        "| depth | " + " | ".join(str(i + 1) for i in range(len(info["val_accuracy_by_depth"]))) + " |",
-        "|---|" + "---|" * len(info["val_accuracy_by_depth"]),
-        "| top-1 | " + " | ".join(f"{100 * a:.1f} %" for a in info["val_accuracy_by_depth"]) + " |", ""]
+        md_table(["depth", *(str(d + 1) for d in range(len(info["val_accuracy_by_depth"])))],
+                 [["top-1", *(f"{100 * a:.1f} %" for a in info["val_accuracy_by_depth"])]]), ""]
     rows = latest(ab_rows())
     if rows:
         s0 = rows[0]
-        cmds = {r["prompt_set"]: (r["command"], r["commit"]) for r in rows}
+        cmds = {r["prompt_set"]: (command_today(r["command"]), r["commit"]) for r in rows}
         lines += ["## Decoding, measured (greedy, batch 1, bf16)", "",
                   f"On {s0['device']}, {s0['threads']} threads, torch {s0['torch']}, {s0['max_new_tokens']} new tokens; "
                   "every prompt runs every configuration in turn. Acceptance at depth d: the share of steps that "
                   "accept at least d drafts. Commands (commit):", ""]
-        lines += [f"- `{c}` ({k})" for c, k in cmds.values()] + ["",
-                  "| prompts | configuration | decode tok/s | vs our serial | vs transformers | τ | acceptance by "
-                  "depth | nodes verified / step | drafting share | identical to serial |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
-        table = per_set(rows)
+        lines += [f"- `{c}` ({k})" for c, k in cmds.values()] + [""]
+        table, body = per_set(rows), []
         for ps, t in table.items():
             for c, s in t.items():
                 acc = " / ".join(f"{100 * a:.0f}" for a in s["accept"][:7]) + " %" if c.startswith("mtp") else "–"
                 share = f"{100 * s['draft_share']:.0f} %" if c.startswith("mtp") else "–"
-                lines.append(f"| {ps} ({s['prompts']}) | {c} | {s['tok_s']:.1f} | "
-                             f"{s['tok_s'] / t['serial']['tok_s']:.2f}× | "
-                             f"{s['tok_s'] / t['transformers generate']['tok_s']:.2f}× | {s['tau']:.2f} | {acc} | "
-                             f"{s['nodes']:.1f} | {share} | {s['identical']}/{s['prompts']} |")
+                body.append((f"{ps} ({s['prompts']})", c, f"{s['tok_s']:.1f}", f"{s['tok_s'] / t['serial']['tok_s']:.2f}×",
+                             f"{s['tok_s'] / t['transformers generate']['tok_s']:.2f}×", f"{s['tau']:.2f}", acc,
+                             f"{s['nodes']:.1f}", share, f"{s['identical']}/{s['prompts']}"))
+        lines.append(md_table(["prompts", "configuration", "decode tok/s", "vs our serial", "vs transformers", "τ",
+                               "acceptance by depth", "nodes verified / step", "drafting share",
+                               "identical to serial"], body))
         lines += [""] + [f"- {ps}: {SETS.get(ps, ps)}" for ps in table] + [""]
         goal_rows = [(ps, t["mtp: module"]) for ps, t in table.items() if "mtp: module" in t]
         if goal_rows:
-            lines += ["## Goals (the issue that asked for this module)", "",
-                      "| goal | " + " | ".join(ps for ps, _ in goal_rows) + " |",
-                      "|---|" + "---|" * len(goal_rows)]
+            lines += ["## Goals (the issue that asked for this module)", ""]
+            body = []
             checks = [("τ ≥ 3.0 (≤ 32 nodes verified)", lambda s, t: (f"{s['tau']:.2f}", s["tau"] >= 3.0)),
                       ("depth-1 acceptance ≥ 80 %", lambda s, t: (f"{100 * s['accept'][0]:.0f} %", s["accept"][0] >= 0.8)),
                       ("drafting ≤ 25 % of a step", lambda s, t: (f"{100 * s['draft_share']:.0f} %", s["draft_share"] <= 0.25)),
@@ -125,8 +122,8 @@ def main():
                 for ps, s in goal_rows:
                     text, ok = fn(s, table[ps])
                     cells.append(f"{text} ({'met' if ok else 'not met'})")
-                lines.append(f"| {name} | " + " | ".join(cells) + " |")
-            lines.append("")
+                body.append([name, *cells])
+            lines += [md_table(["goal", *(ps for ps, _ in goal_rows)], body), ""]
     write_text(os.path.join(HERE, "README.md"), "\n".join(lines))
     print(f"wrote {os.path.join(HERE, 'README.md')}")
 

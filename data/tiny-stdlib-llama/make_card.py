@@ -5,7 +5,7 @@
 import os
 import sys
 
-from mtp_lab.records import percents as pct, read_json, sha256_file, write_text
+from mtp_lab.records import md_table, percents as pct, read_json, sha256_file, write_text
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REC = os.path.join(HERE, "records")
@@ -33,15 +33,15 @@ def checksums():
 
 def tau_table(gen, sim_tp, sim_val):
     names = list(dict.fromkeys(list((gen or {}).get("trees", {})) + list(sim_tp or {}) + list(sim_val or {})))
-    lines = ["| tree | nodes | τ measured with `generate` (third-party prompts) | τ simulated, third-party | "
-             "τ simulated, held-out stdlib | accept rate per depth (`generate`) |", "|---|---|---|---|---|---|"]
+    body = []
     for n in names:
         g = (gen or {}).get("trees", {}).get(n, {})
         nodes = g.get("nodes") or (sim_tp or {}).get(n, {}).get("nodes") or (sim_val or {}).get(n, {}).get("nodes")
-        lines.append(f"| {n} | {nodes} | {fmt(g.get('tau'))} | {fmt((sim_tp or {}).get(n, {}).get('tau'))} | "
-                     f"{fmt((sim_val or {}).get(n, {}).get('tau'))} | "
-                     f"{' / '.join(f'{a:.2f}' for a in g.get('accept_rate_per_depth', []))} |")
-    return "\n".join(lines)
+        body.append((n, nodes, fmt(g.get("tau")), fmt((sim_tp or {}).get(n, {}).get("tau")),
+                     fmt((sim_val or {}).get(n, {}).get("tau")),
+                     " / ".join(f"{a:.2f}" for a in g.get("accept_rate_per_depth", []))))
+    return md_table(["tree", "nodes", "τ measured with `generate` (third-party prompts)", "τ simulated, third-party",
+                     "τ simulated, held-out stdlib", "accept rate per depth (`generate`)"], body)
 
 
 def comparison(plain, joint):
@@ -70,9 +70,7 @@ def comparison(plain, joint):
             ("τ tuned-64, third-party (simulated)", fmt(tau(pf, "tuned-64")), fmt(tau(jf, "tuned-64"))),
             ("distinct-token ratio of greedy continuations", fmt(pf["thirdparty_greedy"]["distinct_ratio"]),
              fmt(jf["thirdparty_greedy"]["distinct_ratio"]))]
-    out = ["| | plain LM base + frozen-base heads | joint MTP base + frozen-base heads |", "|---|---|---|"]
-    out += [f"| {a} | {b} | {c} |" for a, b, c in rows]
-    return "\n".join(out)
+    return md_table(["", "plain LM base + frozen-base heads", "joint MTP base + frozen-base heads"], rows)
 
 
 def replot():
@@ -114,6 +112,32 @@ def main():
     except Exception:
         pass
     best = max(((n, t["tau"]) for n, t in (gen or {}).get("trees", {}).items()), key=lambda x: x[1], default=None)
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    model_table = md_table(["", ""], [
+        ("architecture", f"`LlamaForCausalLM`, {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, "
+                         f"{cfg['num_attention_heads']} query / {cfg['num_key_value_heads']} key-value heads (GQA), "
+                         f"head dim {hd}, MLP {cfg['intermediate_size']}"),
+        ("vocabulary", f"{cfg['vocab_size']} (byte-level BPE trained on the training split; `<|endoftext|>` = id "
+                       f"{cfg['eos_token_id']} is EOS, BOS and PAD)"),
+        ("embeddings", "tied" if cfg.get("tie_word_embeddings") else "untied (separate `lm_head.weight`)"),
+        ("context", f"{cfg['max_position_embeddings']} positions (RoPE); trained on windows of "
+                    f"{joint.get('config', {}).get('seq_len')} tokens"),
+        ("parameters", f"{joint.get('params', 0):,} (base) + {H} × ({cfg['hidden_size']}² + {cfg['hidden_size']}) = "
+                       f"{H * (cfg['hidden_size'] ** 2 + cfg['hidden_size']):,} (heads)"),
+        ("weights", f"fp32 safetensors; the folder totals {total / 2 ** 20:.1f} MiB")])
+    stage_table = md_table(["stage", "steps", "tokens", "minutes", "tokens/s", "peak LR", "held-out next-token loss",
+                            "joint heads' top-1 on held-out text, %"],
+                           [(i + 1, j["steps"], f"{j['tokens']:,}", f"{j['train_seconds'] / 60:.1f}", j["tokens_per_s"],
+                             j["config"]["lr"], fmt(j["val_ntp_loss"]), pct(j["head_top1_real"]))
+                            for i, j in enumerate(stages)], indent="   ")
+    acc_table = md_table(["measured on", "top-1", "top-5"], [
+        (f"greedy continuations of {hg.get('prompts')} held-out stdlib prompts (target: the base's greedy token)",
+         pct(hg.get("top1", [])), pct(hg.get("top5", []))),
+        ("held-out stdlib text, vs the real next tokens", pct(hr.get("top1_vs_text", [])),
+         pct(hr.get("top5_vs_text", []))),
+        ("held-out stdlib text, vs the base's argmax", pct(hr.get("top1_vs_base", [])),
+         pct(hr.get("top5_vs_base", [])))])
+    files_table = md_table(["file", "sha256", "bytes"], [(f"`{r}`", f"`{h}`", s) for r, h, s in sums])
 
     md = f"""# tiny-stdlib-llama — a {joint.get('params', 0) / 1e6:.1f} M-parameter Llama trained on the Python standard library, with {H} MTP heads
 
@@ -133,14 +157,7 @@ heads = mtp_triton.load_heads("data/tiny-stdlib-llama/heads")      # {H} heads; 
 ```
 
 ## Model
-| | |
-|---|---|
-| architecture | `LlamaForCausalLM`, {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, {cfg['num_attention_heads']} query / {cfg['num_key_value_heads']} key-value heads (GQA), head dim {cfg.get('head_dim') or cfg['hidden_size'] // cfg['num_attention_heads']}, MLP {cfg['intermediate_size']} |
-| vocabulary | {cfg['vocab_size']} (byte-level BPE trained on the training split; `<|endoftext|>` = id {cfg['eos_token_id']} is EOS, BOS and PAD) |
-| embeddings | {'tied' if cfg.get('tie_word_embeddings') else 'untied (separate `lm_head.weight`)'} |
-| context | {cfg['max_position_embeddings']} positions (RoPE); trained on windows of {joint.get('config', {}).get('seq_len')} tokens |
-| parameters | {joint.get('params', 0):,} (base) + {H} × ({cfg['hidden_size']}² + {cfg['hidden_size']}) = {H * (cfg['hidden_size'] ** 2 + cfg['hidden_size']):,} (heads) |
-| weights | fp32 safetensors; the folder totals {total / 2 ** 20:.1f} MiB |
+{model_table}
 
 ## Corpus
 The standard library of Python {corpus.get('python')} (`{corpus.get('stdlib')}`): {corpus.get('py_files')} `*.py` files
@@ -157,10 +174,8 @@ with the same version to reproduce). Code in `mtp_lab/corpus.py`.
    {100 * joint.get('config', {}).get('head_frac', 0):.0f} % of positions per step, in {len(stages)} stage(s)
    (each with its own warm-up + cosine schedule; the second continues from the first):
 
-   | stage | steps | tokens | minutes | tokens/s | peak LR | held-out next-token loss | joint heads' top-1 on held-out text, % |
-   |---|---|---|---|---|---|---|---|
-""" + "".join(f"   | {i + 1} | {j['steps']} | {j['tokens']:,} | {j['train_seconds'] / 60:.1f} | {j['tokens_per_s']} | "
-              f"{j['config']['lr']} | {fmt(j['val_ntp_loss'])} | {pct(j['head_top1_real'])} |\n" for i, j in enumerate(stages)) + f"""
+{stage_table}
+
    In all {sum(j['steps'] for j in stages)} steps, {sum(j['tokens'] for j in stages):,} tokens
    ({sum(j['tokens'] for j in stages) / max(corpus.get('train_tokens', 1), 1):.2f} epochs), {sum(j['train_seconds'] for j in stages) / 60:.1f} min.
    **Held-out next-token loss {fmt(joint.get('val_ntp_loss'))} nats/token** (stdlib validation split); on the
@@ -185,11 +200,7 @@ The 4 jointly trained heads are kept in `heads_joint/` (the starting point of st
 ## Heads: held-out accuracy (teacher-forced)
 Head h predicts the token t + h + 2. Per head, head 0 first, in %:
 
-| measured on | top-1 | top-5 |
-|---|---|---|
-| greedy continuations of {hg.get('prompts')} held-out stdlib prompts (target: the base's greedy token) | {pct(hg.get('top1', []))} | {pct(hg.get('top5', []))} |
-| held-out stdlib text, vs the real next tokens | {pct(hr.get('top1_vs_text', []))} | {pct(hr.get('top5_vs_text', []))} |
-| held-out stdlib text, vs the base's argmax | {pct(hr.get('top1_vs_base', []))} | {pct(hr.get('top5_vs_base', []))} |
+{acc_table}
 
 `heads/accuracy.json` holds the first row's full matrix `acc[h][r]` (h < {acc['num_heads']}, r < {acc['top_k']}): the
 probability that rank r of head h is the base's greedy token; `Tree.from_accuracies(acc, budget)` turns it into the
@@ -240,9 +251,8 @@ output measures how predictable the model's own continuation is, not how good it
 Python {corpus.get('python')}; the `eval` step: {', '.join(f'{k} {v}' for k, v in env.items() if k in ('torch', 'triton', 'python', 'device', 'commit'))}.
 
 ## Files (sha256)
-| file | sha256 | bytes |
-|---|---|---|
-""" + "\n".join(f"| `{r}` | `{h}` | {s} |" for r, h, s in sums) + "\n"
+{files_table}
+"""
     write_text(os.path.join(HERE, "README.md"), md)                 # replaced whole, or left as it was
     print(f"wrote {os.path.join(HERE, 'README.md')} ({len(sums)} files, {total / 2 ** 20:.1f} MiB)")
 

@@ -20,7 +20,6 @@ tolerance), shared memory fits, every kernel can be resident and every byte form
 worker process crashed. The compile work runs in a subprocess without TRITON_INTERPRET (the tests set it in their
 own process; the audit needs the real @triton.jit kernels).
 """
-import argparse
 import json
 import os
 import subprocess
@@ -28,7 +27,7 @@ import sys
 import tempfile
 import time
 
-from ..cli import int_at_least
+from ..cli import command_parser, int_at_least
 from ..records import ensure_writable_dir
 from .hardware import ARCHS
 
@@ -67,10 +66,9 @@ def run_workers(targets, quick, jobs=1):
 
 def build_parser():
     """The `aot` command line (every number range-checked by argparse)."""
-    ap = argparse.ArgumentParser(prog="python -m mtp_lab aot", description=__doc__.split("\n\n")[0],
-                                 epilog=__doc__.split("\n\n")[-1], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="results/aot", help="folder for aot.csv and aot.md (default results/aot)")
-    ap.add_argument("--quick", action="store_true", help="a few shapes per launcher (CI)")
+    ap = command_parser("python -m mtp_lab aot", __doc__.split("\n\n")[0], "out", "quick",
+                        epilog=__doc__.split("\n\n")[-1], out=dict(default="results/aot", help="folder for aot.csv "
+                        "and aot.md (default results/aot)"), quick=dict(help="a few shapes per launcher (CI)"))
     ap.add_argument("--targets", default="auto",
                     help=f"comma-separated subset of {','.join(ARCHS)}; auto (default): all of them, each used only "
                          "if the bundled ptxas supports it")

@@ -4,7 +4,7 @@ import csv
 import io
 from collections import defaultdict
 
-from ..records import md_table, write_bytes, write_text
+from ..records import md_table, read_rows, write_bytes, write_text
 from .cubin import issue_cycles
 from .hardware import PRODUCTS, SCHEDULERS_PER_SM, products_of
 
@@ -109,8 +109,7 @@ def write_csv(path, rows, env):
 
 def read_csv(path):
     """An earlier audit's aot.csv -> (rows, environment stamp of its first row)."""
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
+    rows = read_rows(path)
     return rows, {k: rows[0].get(k, "") for k in ENV_COLUMNS} if rows else {}
 
 

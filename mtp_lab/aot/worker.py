@@ -4,7 +4,6 @@ Runs as `python -m mtp_lab.aot.worker --targets sm_80,sm_90 --rows rows.json [--
 `python -m mtp_lab aot` with TRITON_INTERPRET removed from its environment (the kernels must be real
 @triton.jit functions, which Triton decides when a kernel module is imported).
 """
-import argparse
 import math
 import sys
 import time
@@ -12,7 +11,7 @@ import time
 import triton
 import triton.language as tl
 
-from ..cli import run
+from ..cli import command_parser, run
 from ..records import env_info, write_json
 from . import cubin
 from .driver import gpu_session
@@ -131,10 +130,10 @@ def audit_target(arch, cases, device_id=0, log=print):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m mtp_lab.aot.worker")
+    ap = command_parser("python -m mtp_lab.aot.worker", "compile the kernels for some targets (a worker of aot)",
+                        "quick")
     ap.add_argument("--targets", required=True, help="comma-separated, e.g. sm_80,sm_90")
     ap.add_argument("--rows", required=True, help="JSON file to write")
-    ap.add_argument("--quick", action="store_true")
     a = ap.parse_args(argv)
     from mtp_triton.kernels import interpreter_enabled
     if interpreter_enabled():

@@ -1,7 +1,6 @@
 """Shared benchmark plumbing: the kernel benchmarks' command line, device and size grid, timing, measured copy
 bandwidth and figures. The environment stamp, CSV rows and atomic writes live in mtp_lab.records (re-exported
 here)."""
-import argparse
 import io
 import os
 import sys
@@ -9,17 +8,17 @@ import time
 
 import torch
 
-from ..cli import int_at_least  # noqa: F401  (re-exported for bench code)
+from ..cli import command_parser, int_at_least  # noqa: F401  (int_at_least: re-exported for bench code)
 from ..records import (KeptRows, append_rows, ensure_writable_dir, env_info, git_commit, output_lock,  # noqa: F401
                        read_rows, resume_rows, write_bytes, write_text)
 
 
 # ---- command lines ------------------------------------------------------------------------------------------
-def kernel_parser(doc, default_csv, png_next_to_csv=False):
-    """The parser of a kernel benchmark: doc's first line, --out (the CSV the rows are appended to) and --plot (a
-    PNG of this run's rows)."""
-    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
-    ap.add_argument("--out", default=default_csv, help="CSV to append rows to")
+def kernel_parser(doc, default_csv, png_next_to_csv=False, module=None):
+    """The parser of a kernel benchmark `module` (python -m <module>): doc's first line, --out (the CSV the rows are
+    appended to) and --plot (a PNG of this run's rows)."""
+    ap = command_parser(f"python -m {module}" if module else None, doc.splitlines()[0], "out",
+                        out=dict(default=default_csv, help="CSV to append rows to"))
     ap.add_argument("--plot", default=None, help="PNG path for the plot of this run's rows (default: " +
                     ("next to --out)" if png_next_to_csv else "no plot)"))
     return ap
@@ -88,30 +87,52 @@ def sweep(defaults, **given):
     return {k: given.get(k) or v for k, v in defaults.items()}
 
 
-# ---- timing -------------------------------------------------------------------------------------------------
-def time_fn(fn, warmup=1, rep=5, device=None):
-    """Median seconds per call. GPU: triton.testing.do_bench (ms -> s). CPU: perf_counter (do_bench needs a GPU)."""
-    on_gpu = torch.cuda.is_available() and (device is None or str(device).startswith("cuda"))
-    if on_gpu and os.environ.get("TRITON_INTERPRET", "0") != "1":
+# ---- timing: the lab's one timer and its one copy-bandwidth probe ---------------------------------------------
+def _on_gpu(device):
+    return torch.cuda.is_available() and (device is None or str(device).startswith("cuda"))
+
+
+def stopwatch(fn, device=None):
+    """(fn()'s value, the wall seconds it took), a CUDA device synchronised before and after (its work is
+    asynchronous). The lab's one clock: time_fn repeats it, the transformers baseline times its generate calls with
+    it."""
+    sync = (lambda: torch.cuda.synchronize(device)) if _on_gpu(device) else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    value = fn()
+    sync()
+    return value, time.perf_counter() - t0
+
+
+def time_fn(fn, warmup=1, rep=5, device=None, best=False):
+    """Median seconds per call (best=True: the least). GPU: triton.testing.do_bench (ms -> s); CPU or Triton's
+    interpreter (do_bench needs a GPU): `stopwatch` over `rep` calls after `warmup` untimed ones."""
+    if _on_gpu(device) and os.environ.get("TRITON_INTERPRET", "0") != "1":
         import triton.testing
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="min" if best else "median") * 1e-3
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(rep):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    return times[len(times) // 2]
+    times = sorted(stopwatch(fn, device)[1] for _ in range(rep))
+    return times[0] if best else times[len(times) // 2]
 
 
-def copy_bandwidth(device=None, nbytes=1 << 30):
-    """Measured device-to-device copy bandwidth in bytes/s (read + write counted), the roofline's ceiling."""
-    on_gpu = torch.cuda.is_available() and (device is None or str(device).startswith("cuda"))
-    dev = "cuda" if on_gpu else "cpu"
-    n = nbytes if on_gpu else min(nbytes, 1 << 26)
-    src = torch.empty(n, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    t = time_fn(lambda: dst.copy_(src), device=dev)
-    return 2 * n / t
+_COPY = {}
+
+
+def copy_bandwidth(device=None, nbytes=None, best=False):
+    """Measured device-to-device copy bandwidth in bytes/s (read + write counted), once per process, device, size and
+    statistic. Its two uses record two meanings:
+      * the kernel benchmarks' ceiling (copy_gbps, lm_head_frac_of_copy, kv_append's ceiling): the median time_fn
+        of copying `nbytes` (default: 1 GiB on a GPU, 64 MiB on a CPU);
+      * the roofline of the speed rows (copy_gb_s, floor_step_ms, floor_fraction): best=True, 256 MiB
+        (roofline.ROOFLINE_BYTES), the least of 5 copies: what the machine sustains at its best moment."""
+    on_gpu = _on_gpu(device)
+    dev = (str(device) if device is not None else "cuda") if on_gpu else "cpu"
+    n = nbytes or (1 << 30 if on_gpu else 1 << 26)
+    key = (dev, n, best)
+    if key not in _COPY:
+        src = torch.empty(n, dtype=torch.uint8, device=dev)
+        dst = torch.empty_like(src)
+        _COPY[key] = 2 * n / time_fn(lambda: dst.copy_(src), device=dev, best=best)
+        del src, dst
+    return _COPY[key]

@@ -124,7 +124,7 @@ def plot(rows, path=None):
 
 
 def main(argv=None):
-    ap = kernel_parser(__doc__, "results/drafting.csv")
+    ap = kernel_parser(__doc__, "results/drafting.csv", module="mtp_lab.bench.drafting")
     ap.add_argument("--top-k", type=int, default=10)
     ap.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
     ap.add_argument("--shapes", default=None, help='"B,H,D,V;B,H,D,V" (default: Llama-7B-like on GPU, tiny on CPU)')

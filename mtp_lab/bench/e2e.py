@@ -17,7 +17,6 @@ Targets (`load_target`):
             drafts come from the SYNTHETIC `OracleDrafter` at a chosen per-depth acceptance (`parse_profile`):
             verification stays real, only the drafter is simulated, which isolates the runtime's own cost.
 """
-import argparse
 import json
 import os
 import sys
@@ -27,14 +26,15 @@ import torch
 
 from mtp_triton.loading import packaged_file
 from mtp_triton.drafters import OracleDrafter
-from mtp_triton.ops import KINDS, get_ops
+from mtp_triton.ops import get_ops
 from mtp_triton.model import LlamaEngine, ModelConfig
 from mtp_triton.mtp_module import MTPModule, is_module_folder
 from mtp_triton.stats import gpu_energy_j  # noqa: F401  (kept importable as e2e.gpu_energy_j)
 from mtp_triton.tree import get_tree
 from ..bundle import (CHAT_PROMPTS, EMBEDDED, PROMPTS, SMOLLM2, encode, heads_dir_for, load_bundle, load_embedded,
                       pick_prompts, pick_tree, read_accuracy, read_prompts)
-from .common import ensure_writable_dir, env_info, int_at_least, save_rows
+from ..cli import add_common, command_parser
+from .common import ensure_writable_dir, env_info, save_rows
 from .ab import SERIAL, Config, resolved, run_prompts, summarise, warm_up
 from .hf_baseline import PROMPT_LOOKUP, hf_twin, time_hf  # noqa: F401  (the HF baseline, kept importable from here)
 
@@ -340,24 +340,32 @@ def ab_rows(target, drafting, max_new_tokens, batches=(1,), tree=None, kernels="
     return rows
 
 
-def add_target_args(ap):
-    """The options of every end-to-end measurement: which model, where, how big, whose drafts."""
+def target_parser(prog, doc, out, out_help="CSV to append rows to"):
+    """The command line of an end-to-end measurement: --out (a CSV) and which model, where, how big, whose drafts."""
+    ap = command_parser(prog, doc.splitlines()[0], "out", out=dict(default=out, help=out_help))
     ap.add_argument("--shape", default="embedded", choices=["embedded", "llama7b"])
-    ap.add_argument("--model", default=EMBEDDED, help="checkpoint folder with heads/ (embedded shape)")
-    ap.add_argument("--device", default=None)
-    ap.add_argument("--quick", action="store_true", help="tiny sizes (always on CPU)")
+    add_common(ap, "model", "device", "quick", model=dict(default=EMBEDDED, help="checkpoint folder with heads/ "
+               "(embedded shape)"), quick=dict(help="tiny sizes (always on CPU)"))
     ap.add_argument("--profile", default="consumer80", help="synthetic acceptance profile for llama7b (consumer80, "
                     "0.9, ...)")
-    ap.add_argument("--max-new-tokens", type=int_at_least(1), default=None)
-    ap.add_argument("--kernels", default="auto", choices=KINDS)
-    ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
-                    help="llama7b's weights (default: bfloat16 on a GPU, float32 on a CPU)")
+    return add_common(ap, "max-new-tokens", "kernels", "dtype", dtype=dict(
+        choices=["bfloat16", "float32"], help="llama7b's weights (default: bfloat16 on a GPU, float32 on a CPU)"))
 
 
-def target_from_args(a, cpu_note):
-    """(target, drafting, quick) for the parsed `add_target_args` options (and --out, checked first: a CSV path);
-    None when the suite cannot run here (the reason is printed). Without a GPU, `cpu_note` is printed and the run
-    is quick."""
+def parse_target(ap, argv, cpu_note, new_tokens):
+    """The parsed `target_parser` options with the suite filled in: a.target, a.drafting, a.quick and
+    a.max_new_tokens (default: 12 when quick, else new_tokens); None when the suite cannot run here (the reason is
+    printed). --out, a CSV path, is checked first. Without a GPU, `cpu_note` is printed and the run is quick."""
+    a = ap.parse_args(argv)
+    found = _target(a, cpu_note)
+    if found is None:
+        return None
+    a.target, a.drafting, a.quick = found
+    a.max_new_tokens = a.max_new_tokens or (12 if a.quick else new_tokens)
+    return a
+
+
+def _target(a, cpu_note):
     ensure_writable_dir(os.path.dirname(os.path.abspath(a.out)))            # before the compute
     gpu = torch.cuda.is_available() and (a.device is None or str(a.device).startswith("cuda"))
     if not gpu:
@@ -373,18 +381,14 @@ def target_from_args(a, cpu_note):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m mtp_lab.bench.e2e", description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="out/e2e.csv", help="CSV to append rows to")
-    add_target_args(ap)
+    ap = target_parser("python -m mtp_lab.bench.e2e", __doc__, "out/e2e.csv")
     ap.add_argument("--batches", default=None, help="comma list of batch sizes (default 1,4 on GPU, 1,2 else)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
-    a = ap.parse_args(argv)
-    found = target_from_args(a, "no GPU: CPU run at tiny size (as --quick) — these are CPU numbers (torch ops), "
-                                "not GPU numbers")
-    if found is None:
+    a = parse_target(ap, argv, "no GPU: CPU run at tiny size (as --quick) — these are CPU numbers (torch ops), not "
+                               "GPU numbers", 128)
+    if a is None:
         return 0
-    target, drafting, quick = found
-    n = a.max_new_tokens or (12 if quick else 128)
+    target, drafting, quick, n = a.target, a.drafting, a.quick, a.max_new_tokens
     batches = [int(b) for b in a.batches.split(",")] if a.batches else ([1, 2] if quick else [1, 4])
     if max(batches) > len(target.prompts):
         target.prompts = (target.prompts * max(batches))[: max(batches)]

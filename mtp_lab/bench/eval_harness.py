@@ -9,7 +9,7 @@
 Scenario items are raw text or chat messages (scenarios.py); cfg.scenario_dir None: the set that fits the tokenizer.
 The rows of a finished request go to `sink` at once (the CLI appends them to eval.csv), so an interrupted run keeps
 every request it completed. `kept` are rows of earlier runs (--resume): a request whose rows are there for the same
-configuration and device (`row_key`) is not run again; its rows are reused and the failures they record are
+configuration and device (`request_key`) is not run again; its rows are reused and the failures they record are
 reported again.
 """
 import dataclasses
@@ -24,24 +24,23 @@ import torch
 from mtp_triton.generate import RuntimeConfig, generate
 from ..bundle import generate_tree, pick_tree, tree_size
 from mtp_triton.mtp_module import MTPModule
-from ..records import KeptRows, env_info
+from ..records import KeptRows, env_info, row_key
 from mtp_triton.tree import PRESETS, Tree
 from .scenarios import default_scenario_dir, fit, item_text, prompt_ids
 from .eval_metrics import (FLOOR, current_memory, describe_mismatch, failures_in_rows, first_difference,
                            long_run_summary, mean_logprob, num, request_metrics, sampled_quality, section_rows)
 
-# What identifies a request within a section (with the configuration and the device, see row_key).
+# What identifies a request within a section (with the configuration and the device, see request_key).
 REQUEST_KEYS = {"ab": ("scenario", "item", "mode"), "quality": ("scenario", "metric"), "sweep": ("sweep_tree", "item"),
                 "long_run": ("request", "item"), "long_summary": ("long_run_tokens",), "edge": ("case",),
                 "compat": ("case",)}
 FULL_CONTEXT_CPU = 2048       # longest context whose "at the limit" edge case runs on a CPU by default (tokens)
 
 
-def row_key(row):
-    """(configuration, device, section, the section's request fields) as strings: equal for a typed row and the
-    same row read back from eval.csv."""
-    s = row.get("section")
-    return (str(row.get("config")), str(row.get("device")), s, *(str(row.get(k)) for k in REQUEST_KEYS.get(s, ())))
+def request_key(row):
+    """(configuration, device, section, the section's request fields) as strings (records.row_key): equal for a typed
+    row and the same row read back from eval.csv."""
+    return row_key(row, ("config", "device", "section", *REQUEST_KEYS.get(row.get("section"), ())))
 
 
 def fingerprint(module):
@@ -96,7 +95,7 @@ class Harness:
                          drafter="mtp" if self.tree is None else "medusa", top_p=cfg.top_p)
         self.rows, self.failures = [], []
         self.sink, self.warm = sink, False
-        self.kept = KeptRows(kept, row_key)       # a later row of the same request wins; .used: rows reused
+        self.kept = KeptRows(kept, request_key)       # a later row of the same request wins; .used: rows reused
 
     # ---- plumbing: prompts, run, compare, record, reuse ----
     def prompt(self, item, max_new, prompt_cap=None):
@@ -141,7 +140,7 @@ class Harness:
         without requests, all the kept rows of a section written in one piece (edge, compat), or None. Kept rows
         join this run's rows, and the failures they record are reported again."""
         if requests:
-            rows = self.kept.take(*[row_key(dict(self.base, section=section, **r)) for r in requests])
+            rows = self.kept.take(*[request_key(dict(self.base, section=section, **r)) for r in requests])
         else:
             rows = self.kept.matching(lambda k: k[:3] == (self.config, self.env["device"], section))
         if not rows:

@@ -45,7 +45,6 @@ numbers are CPU numbers and are labelled so.
 The pieces: scenarios.py (the sets, prompt ids), eval_harness.py (the sections), eval_metrics.py (numbers from
 rows), eval_report.py (report.md and the plots).
 """
-import argparse
 import contextlib
 import dataclasses
 import os
@@ -55,11 +54,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..bundle import DEFAULT_DRAFTER, DRAFTERS, ROOT, SMOLLM2, cli_drafter, heads_dir_for, load_bundle, pick_tree
-from ..cli import error, int_at_least, run
+from ..bundle import ROOT, SMOLLM2, cli_drafter, heads_dir_for, load_bundle, pick_tree
+from ..cli import Resumable, add_common, command_parser, error, int_at_least, run
 from mtp_triton.generate import RuntimeConfig, generate
 from mtp_triton.loading import SHORT_NAMES
-from mtp_triton.ops import KINDS
 from ..records import append_rows, ensure_writable_dir, output_lock, resume_rows
 from mtp_triton.sampling import check_temperature
 # The names below that this module does not use are here for `from mtp_lab.bench import evaluate as ev`
@@ -182,26 +180,10 @@ def write_outputs(result, out, command=""):
 
 # ---- command line -------------------------------------------------------------------------------------------
 def build_parser():
-    ap = argparse.ArgumentParser(prog="python -m mtp_lab eval", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=SMOLLM2, help=f"a short name ({', '.join(SHORT_NAMES)}), a checkpoint folder "
-                    f"(config.json + *.safetensors + tokenizer) or a .gguf file; default {SMOLLM2}")
-    ap.add_argument("--drafter", default=None, choices=DRAFTERS, help="medusa: MTP heads; mtp: the MTP module (one "
-                    f"block, a dynamic tree each step); default {DEFAULT_DRAFTER} where the model has one, else medusa")
-    ap.add_argument("--heads", default=None, help="the drafter's folder (default: the model's shipped heads or module; "
-                    "<folder>/heads or <folder>/mtp for a checkpoint folder)")
-    ap.add_argument("--tree", default="stored", help="'stored' (saved with the heads, else tuned), 'auto' (tuned now "
-                    "to this machine), 'tuned', a preset (medusa-16, chain-4, ...), chain-N or width-K")
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--kernels", default="auto", choices=KINDS)
-    ap.add_argument("--dtype", default=None, choices=["bf16", "fp32"], help="default as the demo: bf16 for SmolLM2 "
-                    "on a CPU (the engine's exact mode), else the checkpoint's")
-    ap.add_argument("--device", default=None)
-    ap.add_argument("--out", default=os.path.join("out", "eval"), help="output folder")
-    ap.add_argument("--resume", action="store_true",
-                    help="skip requests whose rows <out>/eval.csv already holds (same configuration and device)")
+    ap = command_parser("python -m mtp_lab eval", __doc__, "model", "drafter", "heads", "tree", "temperature", "top-p",
+                        "seed", "kernels", "dtype", "device", "out", model=SMOLLM2, out=os.path.join("out", "eval"))
+    add_common(ap, "resume", resume=dict(help="skip requests whose rows <out>/eval.csv already holds (same "
+                                             "configuration and device)"))
     ap.add_argument("--scenarios", nargs="+", default=None, help=f"subset of the chat set ({', '.join(CHAT_SCENARIOS)})"
                     f" or of the code set ({', '.join(SCENARIOS)})")
     ap.add_argument("--scenario-dir", default=None, help="default: data/scenarios_chat for a tokenizer with a chat "
@@ -218,12 +200,11 @@ def build_parser():
     ap.add_argument("--timeout", dest="timeout_s", metavar="TIMEOUT", type=float, default=300.0,
                     help="seconds per request before it counts as a timeout")
     ap.add_argument("--fallback", type=float, default=None, help="RuntimeConfig.fallback_threshold (off by default)")
-    ap.add_argument("--prune-below", type=float, default=None, metavar="P",
-                    help="RuntimeConfig.prune_below: confidence pruning of the tree (off by default)")
+    add_common(ap, "prune-below")
     ap.add_argument("--no-edge", dest="edge", action="store_false", help="skip the bad / edge input section")
     ap.add_argument("--edge-full-context", action="store_const", const=True, help="run the 'context at the limit' "
                     "edge case on a CPU even for a context over 2048 tokens (a prefill of the whole context)")
-    ap.add_argument("--quick", action="store_true", help="tiny sizes (CI): 2 items per set, <= 16 new tokens")
+    add_common(ap, "quick", quick=dict(help="tiny sizes (CI): 2 items per set, <= 16 new tokens"))
     ap.add_argument("--no-progress", dest="progress", action="store_false")
     return ap
 
@@ -328,17 +309,12 @@ def _main(a, argv):
     t0 = time.perf_counter()
     command = "python -m mtp_lab eval " + " ".join(argv)
     csv_path = os.path.join(a.out, "eval.csv")
-    try:
+    with Resumable(csv_path, "request") as stop:
         result = evaluate(model, heads, tok, cfg, heads_dir, csv_path=csv_path, command=command, resume=a.resume,
                           label=a.model)
         report = write_outputs(result, a.out, command)
-    except KeyboardInterrupt:
-        print(f"\ninterrupted: the rows of every finished request are in {csv_path}; run the same command with "
-              "--resume to go on from there", file=sys.stderr)
-        return 130
-    except OSError as e:
-        return error(f"could not write the results to {a.out!r}: {e}. The rows of the requests that finished "
-                      f"before are in {csv_path}; make room and run the same command with --resume")
+    if stop.rc is not None:
+        return stop.rc
     for k, off, on, sp in ab_table(result.rows, "scenario"):
         print(f"{k:18s} tok/s off {off['decode_tokens_per_s']:8.1f}  on {on['decode_tokens_per_s']:8.1f}  "
               f"speedup {sp:5.2f}x  tau {on['tokens_per_step']:.2f}  TTFT ms {off['ttft_ms']:.1f} -> {on['ttft_ms']:.1f}")

@@ -4,16 +4,10 @@
 generate the way ours is timed (decode tokens/s excludes prefill: generate(N) minus generate(1) on the same prompt);
 `bench.ab` runs it as a peer configuration beside ours.
 """
-import time
-
 import torch
 
 from mtp_triton.stats import gpu_energy_j
-
-
-def _sync(device):
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
+from .common import stopwatch
 
 
 def hf_twin(model):
@@ -85,16 +79,9 @@ def time_hf(hf, prompts, max_new_tokens, eos_token_id=None, warmup="each", promp
         with torch.no_grad():
             if warmup == "each" or (warmup == "first" and i == 0):
                 hf.generate(ids, max_new_tokens=min(8, max_new_tokens), **kw)       # warm-up
-            _sync(dev)
-            t0 = time.perf_counter()
-            hf.generate(ids, max_new_tokens=1, **kw)
-            _sync(dev)
-            t_first = time.perf_counter() - t0
+            t_first = stopwatch(lambda: hf.generate(ids, max_new_tokens=1, **kw), dev)[1]
             e0 = gpu_energy_j(dev) if dev.type == "cuda" else None
-            t0 = time.perf_counter()
-            out = hf.generate(ids, max_new_tokens=max_new_tokens, **kw)
-            _sync(dev)
-            t_all = time.perf_counter() - t0
+            out, t_all = stopwatch(lambda: hf.generate(ids, max_new_tokens=max_new_tokens, **kw), dev)
             e1 = gpu_energy_j(dev) if dev.type == "cuda" else None
         tokens.append(out[0, len(p):].tolist())
         per_prompt.append(dict(new_tokens=len(tokens[-1]), decode_s=max(t_all - t_first, 1e-9), ttft_s=t_first))

@@ -157,7 +157,7 @@ def plot(rows, path):
 
 
 def main(argv=None):
-    ap = kernel_parser(__doc__, "results/kv_append.csv", png_next_to_csv=True)
+    ap = kernel_parser(__doc__, "results/kv_append.csv", png_next_to_csv=True, module="mtp_lab.bench.kv_append")
     ap.add_argument("--models", nargs="*", default=None, choices=sorted(MODELS))
     ap.add_argument("--batches", nargs="*", type=int, default=None)
     ap.add_argument("--accept-lens", nargs="*", type=int, default=None)

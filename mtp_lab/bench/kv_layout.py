@@ -221,7 +221,7 @@ def plot(rows, path):
 
 
 def main(argv=None):
-    ap = kernel_parser(__doc__, "results/kv_layout.csv", png_next_to_csv=True)
+    ap = kernel_parser(__doc__, "results/kv_layout.csv", png_next_to_csv=True, module="mtp_lab.bench.kv_layout")
     ap.add_argument("--full", action="store_true", help="full sizes even on CPU (slow)")
     ap.add_argument("--n-interleave", type=int, default=8, help="blocks a sequence is interleaved over")
     args = ap.parse_args(argv)

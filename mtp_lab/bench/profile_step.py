@@ -17,7 +17,6 @@ decoder itself is unchanged; the first L calls of each generate() are the prefil
 On a GPU, `kernel_rows` adds a torch.profiler table: per-kernel GPU time of N decode steps (a run of N tokens
 minus a run of 1 token, so prefill cancels), grouped into attention / GEMM / draft / accept / append / other.
 """
-import argparse
 import contextlib
 import importlib
 import sys
@@ -29,7 +28,7 @@ import torch
 from mtp_triton.generate import generate
 from mtp_triton.stats import PhaseTimer
 from .common import env_info, png_next_to, save_figure, save_rows
-from .e2e import add_target_args, drafting_tree, serial_truth, target_from_args
+from .e2e import drafting_tree, parse_target, serial_truth, target_parser
 
 PHASES = ("draft", "verify-attention", "verify-other", "accept", "append", "python-overhead")
 
@@ -44,7 +43,7 @@ def timed_attention(num_layers, device):
     bf16/fp16 on a CPU the engine's exact mode calls `mtp_triton.invariant.attention` directly (decode steps only):
     that is timed too.
     """
-    gen_mod, inv_mod = importlib.import_module("mtp_triton.generate"), importlib.import_module("mtp_triton.invariant")
+    gen_mod, inv_mod = importlib.import_module("mtp_triton.generate"), importlib.import_module("mtp_triton.model")
     real_ops, real_inv = gen_mod.get_ops, inv_mod.attention
     timer = PhaseTimer(device)
 
@@ -197,16 +196,13 @@ def plot_phases(rows, ax=None, path=None):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m mtp_lab.bench.profile_step", description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="out/profile.csv", help="CSV to append rows to (the PNG goes next to it)")
-    add_target_args(ap)
-    a = ap.parse_args(argv)
-    found = target_from_args(a, "no GPU: CPU phase times at tiny size (as --quick, torch ops) — the split on a GPU "
-                                "is very different")
-    if found is None:
+    ap = target_parser("python -m mtp_lab.bench.profile_step", __doc__, "out/profile.csv",
+                       "CSV to append rows to (the PNG goes next to it)")
+    a = parse_target(ap, argv, "no GPU: CPU phase times at tiny size (as --quick, torch ops) — the split on a GPU is "
+                               "very different", 64)
+    if a is None:
         return 0
-    t, d, quick = found
-    n = a.max_new_tokens or (12 if quick else 64)
+    t, d, n = a.target, a.drafting, a.max_new_tokens
     tree = drafting_tree(t, d)
     kw = dict(kernels=a.kernels, eos_token_id=t.eos_token_id)
     truth = serial_truth(t.model, t.prompts, n, d.num_heads, eos=t.eos_token_id, kernels=a.kernels)

@@ -4,7 +4,7 @@
     python -m mtp_lab prune --prompts templated     # the templated held-out set (the one the tree was tuned on)
 
 With `RuntimeConfig(prune_below=p)` a step verifies only the drafted nodes whose path probability under the heads,
-prod_{d <= depth} q_d(y_d | path), is at least p (step.Pruner; EAGLE-2, Li et al. 2024, shapes its draft tree by
+prod_{d <= depth} q_d(y_d | path), is at least p (sizing.Pruner; EAGLE-2, Li et al. 2024, shapes its draft tree by
 the same confidence, https://arxiv.org/abs/2406.16858). Where drafts look unlikely the verify forward is smaller;
 tau falls a little, a step costs less. Every configuration runs on every prompt, one after another (batch 1), and
 must emit the serial tokens. Writes <out>/prune.csv (one row per prompt and configuration, the rows of a prompt
@@ -16,7 +16,6 @@ appended as soon as it finishes, so Ctrl-C or a full disk loses only the prompt 
 weights' fingerprints, the tree, --max-new-tokens, --kernels) on the same device; torn rows are left out (said so).
 Bad flags and prompt files are refused with one `error:` line before the model loads; one run at a time per --out.
 """
-import argparse
 import contextlib
 import hashlib
 import os
@@ -24,15 +23,14 @@ import sys
 
 import torch
 
-from ..cli import error, run
+from ..cli import add_common, command_parser, error, Resumable, run
 from mtp_triton.generate import RuntimeConfig
-from mtp_triton.ops import KINDS
 from ..bundle import (CHAT_PROMPTS, ROOT, SMOLLM2, cli_drafter, describe_drafter, encode, heads_dir_for, load_bundle,
                       pick_prompts, pick_tree, read_prompts, tree_size)
-from ..records import md_table
+from ..records import md_table, row_key
 from .ab import Config, run_prompt, summarise, warm_up
-from .common import (KeptRows, append_rows, ensure_writable_dir, env_info, int_at_least, output_lock, resume_rows,
-                    save_figure)
+from .common import (KeptRows, append_rows, ensure_writable_dir, env_info, output_lock, resume_rows,
+                     save_figure)
 from .eval_harness import fingerprint
 
 PROMPT_SETS = {"chat": CHAT_PROMPTS, "templated": os.path.join(ROOT, "data", "chat", "heldout_templated.jsonl")}
@@ -62,30 +60,22 @@ def prompt_hash(text):
     return hashlib.sha1(text.encode("utf-8")).hexdigest()[:12]
 
 
-def row_key(row):
-    """(setup, device, prompt, configuration) as strings: equal for a typed row and the same row read back from
-    prune.csv; a prompt's rows are reused by --resume only when every configuration's row is there."""
-    return tuple(str(row.get(k)) for k in ("setup", "device", "prompt_hash", "config"))
+# a row's identity for --resume (records.row_key): a prompt's rows are reused only when every configuration's is there
+ROW_KEY = ("setup", "device", "prompt_hash", "config")
 
 
 def build_parser():
-    ap = argparse.ArgumentParser(prog="python -m mtp_lab prune", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=SMOLLM2, help="default: SmolLM2-135M-Instruct (as the demo)")
-    ap.add_argument("--drafter", default=None, choices=["medusa", "mtp"], help="medusa: MTP heads; mtp: the MTP "
-                    "module (a dynamic tree each step, pruned by its own path probabilities); default as the demo's")
-    ap.add_argument("--heads", default=None, help="the drafter's folder (default: the model's shipped heads or module)")
+    ap = command_parser("python -m mtp_lab prune", __doc__, "model", "drafter", "heads", model=SMOLLM2,
+                        drafter=dict(help="medusa: MTP heads; mtp: the MTP module (a dynamic tree each step, pruned by "
+                                     "its own path probabilities); default as the demo's"))
     ap.add_argument("--prompts", default="chat", help="'chat', 'templated' or a JSONL file with 'text' (and "
                     "'category')")
-    ap.add_argument("--per-category", type=int_at_least(1), default=2, help="prompts per category (>= 1)")
-    ap.add_argument("--max-new-tokens", type=int_at_least(1), default=128)
-    ap.add_argument("--tree", default="stored", help="as the demo's --tree")
+    add_common(ap, "per-category", "max-new-tokens", "tree", max_new_tokens=128)
     ap.add_argument("--thresholds", default=",".join(f"{t:g}" for t in THRESHOLDS),
                     help="comma-separated prune_below values in (0, 1]")
-    ap.add_argument("--kernels", default="auto", choices=KINDS)
-    ap.add_argument("--out", default=os.path.join("out", "prune"))
-    ap.add_argument("--resume", action="store_true", help="skip the prompts whose rows <out>/prune.csv already "
-                    "holds (same model, heads, tree, token count, kernels and device)")
+    add_common(ap, "kernels", "out", "resume", out=os.path.join("out", "prune"), resume=dict(
+        help="skip the prompts whose rows <out>/prune.csv already holds (same model, heads, tree, token count, "
+             "kernels and device)"))
     return ap
 
 
@@ -132,20 +122,20 @@ def _run(a, argv, thresholds, prompts):
     setup = (f"model {fingerprint(model)} heads {fingerprint(heads)} tree {prompt_hash(paths)} "
              f"max_new_tokens {a.max_new_tokens} kernels {a.kernels}")
     kept = KeptRows(resume_rows(csv_path, log=lambda line: print(line, file=sys.stderr)) if a.resume else [],
-                    row_key)
+                    ROW_KEY)
     cmd = "python -m mtp_lab prune " + " ".join(argv)
     print(f"model {a.model}, {model.dtype}, {torch.get_num_threads()} threads; {describe_drafter(heads, tree)}; "
           f"{len(rows)} prompts ({a.prompts}), {a.max_new_tokens} new tokens; "
           f"configurations: {', '.join(c.name for c in cfgs)}" + ("; --resume" if a.resume else ""))
     mine, warm = [], False
-    try:
+    with Resumable(csv_path, "prompt") as stop:
         for r in rows:
             base = dict(env, run="prune", setup=setup, model=a.model, dtype=str(model.dtype).replace("torch.", ""),
                         threads=torch.get_num_threads(), prompts=a.prompts, prompt_id=r.get("id"),
                         prompt_hash=prompt_hash(r["text"]), category=r.get("category"),
                         tree_size=tree_size(heads, tree), drafter=a.drafter, max_new_tokens=a.max_new_tokens,
                         command=cmd)
-            again = kept.take(*[row_key(dict(base, config=c.name)) for c in cfgs])
+            again = kept.take(*[row_key(dict(base, config=c.name), ROW_KEY) for c in cfgs])
             if again:
                 mine += again
                 print(f"[{r.get('category', 'all')}] kept from an earlier run", flush=True)
@@ -161,13 +151,8 @@ def _run(a, argv, thresholds, prompts):
                 f"{x['config']}: {x['decode_tokens_per_s']:.1f} tok/s" + ("" if x["config"] == "serial" else
                                                                           f" tau {x['tokens_per_step']:.2f}")
                 for x in new), flush=True)
-    except KeyboardInterrupt:
-        print(f"interrupted: the rows of every finished prompt are in {csv_path}; run the same command with "
-              "--resume to go on from there", file=sys.stderr)
-        return 130
-    except OSError as e:
-        return error(f"could not write the rows to {csv_path!r}: {e}. The prompts that finished before are there; "
-                     "make room and run the same command with --resume")
+    if stop.rc is not None:
+        return stop.rc
     table = prune_summary(mine)
     print("\n" + md_table(["configuration", "decode tok/s", "speedup", "tau", "verified nodes / step", "identical"],
                           [[n, f"{s['tok_s']:.1f}", f"{s['speedup']:.2f}x", f"{s['tau']:.2f}", f"{s['nodes']:.1f}",

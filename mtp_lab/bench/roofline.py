@@ -8,13 +8,12 @@ of the embedding only T rows), so it cannot take less than
 where bandwidth is what this machine sustains copying a buffer far larger than its caches (a STREAM-style copy:
 bytes read + bytes written, per second). The fraction of the floor a run reaches is floor_s / (its seconds per
 step) = floor_s * tokens_per_s / tau. The copy is measured, not taken from a datasheet: on a shared 2-core machine
-it varies run to run, so every row records the value its own run measured.
+it varies run to run, so every row records the value its own run measured (`common.copy_bandwidth`, best of 5
+copies of 256 MiB).
 """
-import time
+from .common import copy_bandwidth
 
-import torch
-
-_MEASURED = {}
+ROOFLINE_BYTES = 256 << 20              # the copied buffer: far larger than the caches of the machines measured
 
 
 def weight_bytes_per_step(model):
@@ -31,33 +30,11 @@ def weight_bytes_per_step(model):
     return total
 
 
-def copy_bandwidth(device="cpu", megabytes=256, reps=5):
-    """Bytes per second this device sustains copying a `megabytes` buffer (read + write counted), best of `reps`;
-    measured once per process and device."""
-    key = (str(device), megabytes)
-    if key not in _MEASURED:
-        n = megabytes * 2 ** 20 // 4
-        src = torch.ones(n, dtype=torch.float32, device=device)
-        dst = torch.empty_like(src)
-        best = float("inf")
-        for _ in range(reps):
-            if src.is_cuda:
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            if src.is_cuda:
-                torch.cuda.synchronize(device)
-            best = min(best, time.perf_counter() - t0)
-        _MEASURED[key] = 2 * n * 4 / best
-        del src, dst
-    return _MEASURED[key]
-
-
 def roofline_fields(model, tokens_per_s, tau=1.0):
     """Row fields: weight_bytes_per_step, copy_gb_s (measured), floor_step_ms and floor_fraction = floor / measured
     seconds per step (steps per second = tokens_per_s / tau)."""
     w = weight_bytes_per_step(model)
-    bw = copy_bandwidth(model.device)
+    bw = copy_bandwidth(model.device, ROOFLINE_BYTES, best=True)
     floor = w / bw
     steps_per_s = tokens_per_s / tau if tau and tau == tau and tokens_per_s == tokens_per_s else float("nan")
     return dict(weight_bytes_per_step=w, copy_gb_s=round(bw / 1e9, 2), floor_step_ms=round(floor * 1e3, 3),

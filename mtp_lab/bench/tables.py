@@ -36,11 +36,10 @@ import sys
 
 import torch
 
-from mtp_triton.ops import KINDS
 from mtp_triton.tree import Tree
 from mtp_triton.tuning import step_cost
 from . import e2e
-from ..cli import error, run
+from ..cli import Resumable, add_common, command_parser, error, run
 from ..bundle import EMBEDDED
 from .ab import SERIAL, Config
 from .common import (KeptRows, append_rows, ensure_writable_dir, env_info, int_at_least, output_lock, read_rows,
@@ -196,10 +195,6 @@ def suite_setup(target, quick, profiles, max_new_tokens, num_prompts, kernels, h
             f"{max_new_tokens} num_prompts {num_prompts} kernels {kernels} hf {hf}")
 
 
-def _suite_key(row):
-    return tuple(str(row.get(k)) for k in ("setup", "device", "suite"))
-
-
 def run_tables(out, shapes=("embedded", "llama7b"), *, quick=False, device=None, model_path=EMBEDDED,
                profiles=None, max_new_tokens=None, num_prompts=None, kernels="auto", hf=True, log=print,
                command=None, smollm2_heads=None, resume=False):
@@ -214,7 +209,7 @@ def run_tables(out, shapes=("embedded", "llama7b"), *, quick=False, device=None,
     run_id = env["timestamp"]
     rows, earlier = [], []
     csv_path = os.path.join(out, "tables.csv")
-    kept = KeptRows(resume_rows(csv_path, log=log) if resume else [], _suite_key)
+    kept = KeptRows(resume_rows(csv_path, log=log) if resume else [], ("setup", "device", "suite"))
     profiles = profiles or ("consumer80" if quick else DEFAULT_PROFILES)
     for shape in shapes:
         try:
@@ -266,11 +261,10 @@ def write_outputs(out, run_id, new_rows, kept=()):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m mtp_lab tables", description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.path.join("out", "tables"), help="folder for tables.csv / .md / .png")
-    ap.add_argument("--quick", action="store_true", help="tiny sizes (CPU CI); llama7b runs at a tiny shape")
-    ap.add_argument("--model", default=EMBEDDED, help="checkpoint folder with heads/ (the embedded suite)")
-    ap.add_argument("--device", default=None)
+    ap = command_parser("python -m mtp_lab tables", __doc__.splitlines()[0], "out", "quick", "model", "device",
+                        out=dict(default=os.path.join("out", "tables"), help="folder for tables.csv / .md / .png"),
+                        quick=dict(help="tiny sizes (CPU CI); llama7b runs at a tiny shape"),
+                        model=dict(default=EMBEDDED, help="checkpoint folder with heads/ (the embedded suite)"))
     ap.add_argument("--shape", nargs="*", default=["embedded", "llama7b"], choices=["embedded", "llama7b"],
                     help="the suites besides smollm2 (none: only --smollm2)")
     ap.add_argument("--smollm2", action=argparse.BooleanOptionalAction, default=None,
@@ -281,12 +275,12 @@ def main(argv=None):
     ap.add_argument("--profiles", default=None,
                     help=f"synthetic acceptance profiles for llama7b (default {DEFAULT_PROFILES}; quick: consumer80); "
                          "names, probabilities (0.8) or per-depth lists (0.9/0.8/0.7)")
-    ap.add_argument("--max-new-tokens", type=int_at_least(1), default=None)
+    add_common(ap, "max-new-tokens")
     ap.add_argument("--num-prompts", type=int_at_least(1), default=None)
-    ap.add_argument("--kernels", default="auto", choices=KINDS)
+    add_common(ap, "kernels")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
-    ap.add_argument("--resume", action="store_true", help="skip the suites whose rows <out>/tables.csv already "
-                    "holds (same weights, settings and device)")
+    add_common(ap, "resume", resume=dict(help="skip the suites whose rows <out>/tables.csv already holds (same "
+                                             "weights, settings and device)"))
     a = ap.parse_args(argv)
     smollm2 = a.smollm2 if a.smollm2 is not None else (not a.quick and e2e.smollm2_installed())
     shapes = list(a.shape) + (["smollm2"] if smollm2 else [])
@@ -322,19 +316,14 @@ def _run(a, argv, shapes):
     csv_path = os.path.join(a.out, "tables.csv")
     if not torch.cuda.is_available():
         print("no GPU: CPU run — every number below is a CPU number (torch ops" + (", tiny sizes)" if a.quick else ")"))
-    try:
+    with Resumable(csv_path, "suite") as stop:
         rows, paths = run_tables(a.out, shapes, smollm2_heads=a.smollm2_heads, quick=a.quick, device=a.device,
                                  model_path=a.model, profiles=a.profiles, max_new_tokens=a.max_new_tokens,
                                  num_prompts=a.num_prompts, resume=a.resume,
                                  kernels=a.kernels, hf=not a.no_hf, command="python -m mtp_lab tables " +
                                  " ".join(sys.argv[1:] if argv is None else argv))
-    except KeyboardInterrupt:
-        print(f"interrupted: the rows of every finished suite are in {csv_path}; run the same command with --resume "
-              "to go on from there", file=sys.stderr)
-        return 130
-    except OSError as e:
-        return error(f"could not write the tables to {a.out!r}: {e}. The suites measured before are in {csv_path}; "
-                     "make room and run the same command with --resume")
+    if stop.rc is not None:
+        return stop.rc
     print(f"wrote {len(rows)} rows: {paths['csv']}, {paths['md']}, {paths['png']}")
     return 0
 

@@ -182,7 +182,7 @@ def plot(rows, path=None):
 
 
 def main(argv=None):
-    ap = kernel_parser(__doc__, "results/tree_attention.csv")
+    ap = kernel_parser(__doc__, "results/tree_attention.csv", module="mtp_lab.bench.tree_attention")
     ap.add_argument("--contexts", type=int, nargs="*", help="cached tokens per sequence (default: the grid)")
     ap.add_argument("--tree-sizes", type=int, nargs="*", help="T values (default: the grid)")
     ap.add_argument("--batches", type=int, nargs="*", help="batch sizes (default: the grid)")

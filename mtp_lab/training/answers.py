@@ -20,13 +20,13 @@ import torch
 
 from ..bundle import chat_ids
 from mtp_triton.generate import generate
-from .data import read_text_rows
+from ..records import open_log, read_jsonl
 
 
 def read_prompts(path, what="prompt file"):
     """Rows of a prompts JSONL (id, category, text, ...); a line without an id or a text string, a torn line, a file
     that is not UTF-8 or is missing: a ValueError naming `what` (the flag), the file and the line."""
-    return read_text_rows(path, what, fields=("id", "text"))
+    return read_jsonl(path, what, ("id", "text"))
 
 
 def jobs(rows, sample_share=0.4, seed=0):
@@ -37,20 +37,11 @@ def jobs(rows, sample_share=0.4, seed=0):
     return out
 
 
-def read_jsonl(path):
-    """The rows of a JSONL file that an interrupted run may have left with a torn last line (skipped: redone)."""
-    rows = []
-    with open(path) as f:
-        for line in f:
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return rows
-
-
 def done_keys(path):
-    return {(r["id"], r["mode"]) for r in read_jsonl(path)} if os.path.exists(path) else set()
+    """(id, mode) of the answers in the log `path` (a torn last line left out: that answer is made again)."""
+    if not os.path.exists(path):
+        return set()
+    return {(r["id"], r["mode"]) for r in read_jsonl(path, "answers file", torn_last="skip")}
 
 
 @torch.no_grad()
@@ -77,7 +68,6 @@ def write_answers(model, tok, rows, path, max_new_tokens=256, sample_share=0.4, 
 
     Greedy answers run in batches of prompts of similar length (short prompts pad less); sampled ones one batch
     per seed group. Returns the number of answers written by this call."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     have = done_keys(path)
     todo = [j for j in jobs(rows, sample_share, seed) if (j[0]["id"], j[1]) not in have]
     enc = {}
@@ -93,7 +83,7 @@ def write_answers(model, tok, rows, path, max_new_tokens=256, sample_share=0.4, 
     written = 0
     batches = [[j for j in todo if j[1] == m][i:i + batch] for m in ("greedy", "sample")
                for i in range(0, sum(j[1] == m for j in todo), batch)]          # one mode per batch
-    with open(path, "a") as f:
+    with open_log(path) as f:
         for part in batches:
             mode = part[0][1]
             prompts = [enc[r["id"]] for r, _, _ in part]

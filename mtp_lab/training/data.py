@@ -7,49 +7,10 @@ The recipes draw every batch from one seeded torch.Generator, in a fixed order, 
 windows each time (and a resumed run, whose checkpoint holds the generator's state, the same as an
 uninterrupted one).
 """
-import json
-import os
-
 import torch
+
 from mtp_lab import corpus
-
-
-def read_text(path, what="--data"):
-    """The whole file as text, refused (ValueError naming `what`, the file and the line) unless it is UTF-8."""
-    if not os.path.isfile(path):
-        raise ValueError(f"{what} {path}: no such file" if not os.path.exists(path) else f"{what} {path}: not a file")
-    with open(path, "rb") as f:
-        data = f.read()
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data[:e.start].count(b"\n") + 1
-        raise ValueError(f"{what} {path}, line {line}: not valid UTF-8 (byte {data[e.start]:#04x} at offset "
-                         f"{e.start}); save the file as UTF-8") from None
-
-
-def read_text_rows(path, what="--data", fields=("text",)):
-    """The rows of a JSONL file in which every non-blank line is a JSON object with the keys `fields` ("text", if
-    named, a string). Anything else is refused with a ValueError naming `what`, the file and the line: a torn last
-    line (an interrupted write), a missing field, a file that is not UTF-8 or does not exist."""
-    lines = read_text(path, what).split("\n")
-    rows = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            torn = " (a torn last line? finish it or delete it)" if n >= len(lines) - 1 else ""
-            raise ValueError(f"{what} {path}, line {n}: not valid JSON: {e.msg}{torn}") from None
-        missing = [k for k in fields if not isinstance(row, dict) or k not in row]
-        if missing:
-            raise ValueError(f"{what} {path}, line {n}: no {', '.join(repr(k) for k in missing)} field (each line "
-                             f"must be a JSON object with {', '.join(repr(k) for k in fields)})")
-        if "text" in fields and not isinstance(row["text"], str):
-            raise ValueError(f"{what} {path}, line {n}: 'text' is {type(row['text']).__name__}, not a string")
-        rows.append(row)
-    return rows
+from mtp_lab.records import read_jsonl, read_utf8
 
 
 def load_text_files(paths, what="--data"):
@@ -58,9 +19,9 @@ def load_text_files(paths, what="--data"):
     texts = []
     for p in paths:
         if p.endswith(".jsonl"):
-            texts += [r["text"] for r in read_text_rows(p, what)]
+            texts += [r["text"] for r in read_jsonl(p, what, ("text",))]
         else:
-            texts.append(read_text(p, what))
+            texts.append(read_utf8(p, what))
     return texts
 
 
@@ -95,7 +56,7 @@ def random_windows(stream, n, length, gen):
 def prompt_ids(tokenizer, path, max_tokens=None, what="--prompts"):
     """[(id, ids list)] from a prompts JSONL (fields id, source, text); max_tokens keeps the last N tokens."""
     out = []
-    for r in read_text_rows(path, what, fields=("id", "text")):
+    for r in read_jsonl(path, what, ("id", "text")):
         ids = tokenizer(r["text"], add_special_tokens=False)["input_ids"]
         out.append((r["id"], ids[-max_tokens:] if max_tokens else ids))
     return out

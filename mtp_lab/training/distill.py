@@ -33,12 +33,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ..cli import float_in, int_at_least
+from ..cli import add_common, float_in, int_at_least
 from mtp_triton.heads import MTPHeads
 from mtp_triton.loading import load_model, load_tokenizer, transformers_model
-from ..records import save_torch, write_json
+from ..records import read_jsonl, save_torch, write_json
 from mtp_triton.tree import get_tree
-from .answers import read_jsonl, read_prompts, write_answers
+from .answers import read_prompts, write_answers
 from . import measure, replay
 from .measure import budget_list
 from .self_prompts import write_self_prompts
@@ -47,7 +47,7 @@ from .loop import Loop, LoopConfig, Recorder
 
 def read_answers(path, ids=None):
     """The answer rows of `path` (those of prompts in `ids`, if given), in file order."""
-    rows = [r for r in read_jsonl(path) if ids is None or r["id"] in ids]
+    rows = [r for r in read_jsonl(path, "answers file", torn_last="skip") if ids is None or r["id"] in ids]
     return rows
 
 
@@ -221,12 +221,12 @@ def run(args):
 
 def add_arguments(sp):
     """The `distill` options (registered in mtp_lab/train_heads.py); every number is range-checked here."""
-    sp.add_argument("--model", default="smollm2-135m-instruct")
+    add_common(sp, "model", model="smollm2-135m-instruct")
     sp.add_argument("--prompts", default=os.path.join("data", "chat", "train.jsonl"))
     sp.add_argument("--heldout", default=os.path.join("data", "chat", "heldout_templated.jsonl"))
     sp.add_argument("--heldout-chat", default=os.path.join("data", "chat", "heldout_chat.jsonl"))
     sp.add_argument("--work", default=os.path.join("runs", "smollm2"), help="answers, cache and checkpoints")
-    sp.add_argument("--out", default=os.path.join("data", "smollm2-135m-instruct-heads"))
+    add_common(sp, "out", out=os.path.join("data", "smollm2-135m-instruct-heads"))
     sp.add_argument("--records", default=None, help="default: <out>/records")
     sp.add_argument("--answers-by", default="transformers", choices=["transformers", "engine"],
                     help="who writes the training answers (held-out answers always come from this engine)")
@@ -237,7 +237,7 @@ def add_arguments(sp):
                     help="Q: head h also reads the last min(h, Q) drafted tokens of its path (Hydra-style; 0: none)")
     sp.add_argument("--vocab", type=int_at_least(1), default=8192, help="draft vocabulary size")
     sp.add_argument("--top-k", type=int_at_least(1), default=16, help="soft targets kept per position")
-    sp.add_argument("--max-new-tokens", type=int_at_least(1), default=256)
+    add_common(sp, "max-new-tokens", max_new_tokens=256)
     sp.add_argument("--eval-new-tokens", type=int_at_least(1), default=192)
     sp.add_argument("--sample-share", type=float_in(0, 1), default=0.4, help="share of prompts also answered by "
                     "sampling (0 to 1)")
@@ -249,8 +249,7 @@ def add_arguments(sp):
     sp.add_argument("--steps", type=int_at_least(1), default=6000, help="training step budget (whichever ends first)")
     sp.add_argument("--batch", type=int_at_least(1), default=1024)
     sp.add_argument("--lr", type=float_in(0, low_open=True), default=2e-3)
-    sp.add_argument("--seed", type=int_at_least(0), default=0)
-    sp.add_argument("--threads", type=int_at_least(1), default=2)
+    add_common(sp, "seed", "threads")
     sp.add_argument("--budgets", type=budget_list, default="1,2,3,4,6,8,12,16,24,32",
                     help="tree sizes (drafts) to choose from")
     sp.add_argument("--min-speedup", type=float_in(0, low_open=True), default=None,

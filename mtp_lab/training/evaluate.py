@@ -12,9 +12,8 @@ import time
 
 import torch
 
-from mtp_lab.cli import int_at_least
+from mtp_lab.cli import add_common, int_at_least
 from mtp_triton.generate import generate
-from mtp_triton.ops import KINDS
 from mtp_lab.records import env_info, write_json
 from mtp_triton.heads import load_heads
 from mtp_triton.loading import load_model
@@ -204,16 +203,14 @@ def measure_tau(args):
 
 def add_arguments(e):
     """The `eval` subcommand's options."""
-    e.add_argument("--model", required=True)
-    e.add_argument("--heads", required=True, help="heads folder (with accuracy.json for the tuned-N trees)")
+    add_common(e, "model", "heads", model=dict(required=True),
+               heads=dict(required=True, help="heads folder (with accuracy.json for the tuned-N trees)"))
     e.add_argument("--prompts", required=True, help="JSONL with id, source, text")
-    e.add_argument("--out", required=True, help="JSON file to write")
+    add_common(e, "out", out=dict(required=True, help="JSON file to write"))
     e.add_argument("--new-tokens", type=int_at_least(1), default=128)
     e.add_argument("--prompt-max", type=int_at_least(1), default=512, help="keep the last N tokens of each prompt")
     e.add_argument("--trees", nargs="+", default=["chain-2", "chain-4", "chain-8", "medusa-8", "medusa-16",
                                                    "medusa-32", "medusa-64", "tuned-16", "tuned-32", "tuned-64"])
-    e.add_argument("--kernels", default="auto", choices=KINDS)
-    e.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    e.add_argument("--threads", type=int_at_least(1), default=2)
+    add_common(e, "kernels", "device", "threads", device="cuda" if torch.cuda.is_available() else "cpu")
     e.add_argument("--tree-budget", type=int_at_least(1), default=None,
                    help="also record this as the default tuned tree size (tree_budget) in the heads' accuracy.json")

@@ -23,7 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from mtp_lab.cli import int_at_least
+from mtp_lab.cli import add_common, int_at_least
 from mtp_triton.heads import MTPHeads
 from mtp_lab.training.data import load_text_files, random_windows, token_streams
 from mtp_lab.training.evaluate import (distinct_ratio, head_topk_accuracy, prompts_tau, standard_trees,
@@ -190,7 +190,7 @@ def train_frozen(args):
 def add_arguments(f):
     """The `frozen` subcommand's options: the shared training options, then its own (and its defaults)."""
     add_training_arguments(f)
-    f.add_argument("--model", required=True, help="a Hugging Face causal-LM folder (Llama family)")
+    add_common(f, "model", model=dict(required=True, help="a Hugging Face causal-LM folder (Llama family)"))
     f.add_argument("--tokenizer", default=None, help="tokenizer folder (default: --model)")
     f.add_argument("--targets", choices=["soft", "hard"], default="soft",
                    help="soft: KL to the base's distribution; hard: CE to its argmax")

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mtp_lab.cli import float_in, int_at_least
-from mtp_lab.records import save_torch, write_bytes
+from mtp_lab.cli import add_common, float_in, int_at_least
+from mtp_lab.records import read_rows, save_torch, write_bytes
 
 
 def lr_at(progress, step, base_lr, warmup, min_frac=0.1):
@@ -63,7 +63,7 @@ class LoopConfig:
 def add_training_arguments(sp, min_heads=1):
     """The command-line options every training recipe takes (a recipe's add_arguments calls this first).
     Every number is range-checked by argparse (min_heads: the fewest heads the recipe can train)."""
-    sp.add_argument("--out", required=True, help="output folder")
+    add_common(sp, "out", out=dict(required=True, help="output folder"))
     sp.add_argument("--data", nargs="*", help="training text (.py/.txt files in UTF-8, .jsonl with a 'text' string "
                                              "per line); default: the Python stdlib corpus (mtp_lab.corpus)")
     sp.add_argument("--cache-dir", default=None, help="where to cache the tokenized corpus")
@@ -75,10 +75,8 @@ def add_training_arguments(sp, min_heads=1):
     sp.add_argument("--warmup", type=int_at_least(0), default=50)
     sp.add_argument("--batch", type=int_at_least(1), default=8)
     sp.add_argument("--seq-len", type=int_at_least(2), default=512)
-    sp.add_argument("--seed", type=int_at_least(0), default=0)
-    sp.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    sp.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="autocast / storage dtype")
-    sp.add_argument("--threads", type=int_at_least(1), default=2, help="torch CPU threads")
+    add_common(sp, "seed", "device", "dtype", "threads", device="cuda" if torch.cuda.is_available() else "cpu",
+               dtype=dict(default="fp32", help="autocast / storage dtype"))
     sp.add_argument("--log-every", type=int_at_least(1), default=10)
     sp.add_argument("--eval-every", type=int_at_least(1), default=100)
     sp.add_argument("--records", default=None, help="folder for metrics JSON / curve CSV+PNG (default --out)")
@@ -153,8 +151,7 @@ def plot_curve(rows, path, title):
 
 def plot_curve_csv(csv_path):
     """Re-draw <name>_curve.png from the logged rows in <name>_curve.csv. Returns the PNG's path."""
-    with open(csv_path, newline="") as f:
-        rows = list(csv.DictReader(f))
+    rows = read_rows(csv_path)
     png = csv_path[:-4] + ".png"
     plot_curve(rows, png, os.path.basename(csv_path)[:-len("_curve.csv")])
     return png

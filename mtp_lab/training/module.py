@@ -22,14 +22,13 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ..cli import float_in, int_at_least
+from ..cli import add_common, float_in, int_at_least
 from mtp_triton.generate import causal_chains
 from mtp_triton.heads import load_heads
 from mtp_triton.loading import load_model
 from mtp_triton.mtp_module import MTPModule
 from mtp_triton.ops import get_ops
-from ..records import env_info, save_torch, write_json
-from .answers import read_jsonl
+from ..records import env_info, read_jsonl, save_torch, write_json
 from .loop import Loop, LoopConfig, Recorder
 
 
@@ -159,7 +158,7 @@ def run(args):
     t0 = time.time()
     model = load_model(args.model, device="cpu", dtype=torch.bfloat16)
     os.makedirs(args.work, exist_ok=True)
-    rows = [r for r in read_jsonl(args.answers) if r["mode"] == "greedy"]
+    rows = [r for r in read_jsonl(args.answers, "--answers", torn_last="skip") if r["mode"] == "greedy"]
     if not rows:
         raise ValueError(f"--answers {args.answers}: no greedy answers (write them with `train_heads distill` or "
                          f"mtp_lab.training.answers.write_answers)")
@@ -208,13 +207,13 @@ def _count(items):
 
 
 def add_arguments(sp):
-    sp.add_argument("--model", default="smollm2-135m-instruct")
+    add_common(sp, "model", model="smollm2-135m-instruct")
     sp.add_argument("--answers", default=os.path.join("runs", "mtp", "answers.jsonl"),
                     help="the model's own answers (JSONL written by mtp_lab.training.answers.write_answers)")
     sp.add_argument("--vocab-from", default=os.path.join("data", "smollm2-135m-instruct-heads"),
                     help="heads folder whose draft vocabulary (token_map) the module scores ('' for the whole vocabulary)")
     sp.add_argument("--work", default=os.path.join("runs", "mtp"), help="hidden-state cache and checkpoint")
-    sp.add_argument("--out", default=os.path.join("data", "smollm2-135m-instruct-mtp"))
+    add_common(sp, "out", out=os.path.join("data", "smollm2-135m-instruct-mtp"))
     sp.add_argument("--records", default=None, help="default: <out>/records")
     sp.add_argument("--max-len", type=int_at_least(8), default=512)
     sp.add_argument("--val-share", type=float_in(0, 0.5, low_open=True), default=0.03,
@@ -225,5 +224,4 @@ def add_arguments(sp):
     sp.add_argument("--steps", type=int_at_least(1), default=100000)
     sp.add_argument("--batch", type=int_at_least(1), default=8, help="sequences per step")
     sp.add_argument("--lr", type=float_in(0, low_open=True), default=5e-4)
-    sp.add_argument("--seed", type=int_at_least(0), default=0)
-    sp.add_argument("--threads", type=int_at_least(1), default=2)
+    add_common(sp, "seed", "threads")

@@ -62,7 +62,7 @@ def build_cache(model, rows, token_map, top_k=16, batch=16, num_heads=4):
         ok.append(pos <= n - 1)
     return dict(x=torch.cat(xs), tgt_idx=torch.cat(idx), tgt_p=torch.cat(ps), greedy=torch.cat(greedy),
                 ok=torch.cat(ok), root=torch.cat(roots), token_map=token_map, top_k=top_k,
-                keys=[row_key(r) for r in rows])
+                keys=[answer_key(r) for r in rows])
 
 
 def add_roots(cache, rows):
@@ -76,7 +76,7 @@ def add_roots(cache, rows):
     return cache
 
 
-def row_key(r):
+def answer_key(r):
     """An answer row's identity in a cache: prompt id and mode (rows made outside `write_answers` may lack them)."""
     return f"{r.get('id')}/{r.get('mode', 'greedy')}"
 
@@ -90,10 +90,10 @@ def cache_keys(cache, rows):
     N, n = cache["x"].shape[0], 0
     for k, r in enumerate(rows):
         if n == N:
-            return [row_key(q) for q in rows[:k]]
+            return [answer_key(q) for q in rows[:k]]
         n += len(r["answer_ids"])
     if n == N:
-        return [row_key(q) for q in rows]
+        return [answer_key(q) for q in rows]
     raise ValueError(f"cache has {N} positions, which is no prefix of the answers: delete the cache file to rebuild it")
 
 
@@ -105,18 +105,18 @@ def extend_cache(model, cache, rows, num_heads):
     if cache["ok"].shape[1] != num_heads:
         raise ValueError(f"cache was built for {cache['ok'].shape[1]} heads, not {num_heads}: delete it to rebuild")
     if "root" not in cache:
-        by_key = {row_key(r): r for r in rows}
+        by_key = {answer_key(r): r for r in rows}
         cache = add_roots(cache, [by_key[k] for k in keys])
-    gone = have - {row_key(r) for r in rows}
+    gone = have - {answer_key(r) for r in rows}
     if gone:
         raise ValueError(f"cache holds {len(gone)} answers that are not in the answer rows (e.g. {min(gone)}): "
                          "delete the cache file to rebuild it for this prompt set")
-    new = [r for r in rows if row_key(r) not in have]
+    new = [r for r in rows if answer_key(r) not in have]
     if new:
         more = build_cache(model, new, cache["token_map"], cache["top_k"], num_heads=num_heads)
         for f in ("x", "tgt_idx", "tgt_p", "greedy", "ok", "root"):
             cache[f] = torch.cat([cache[f], more[f]])
-    cache["keys"] = keys + [row_key(r) for r in new]
+    cache["keys"] = keys + [answer_key(r) for r in new]
     return cache, len(new)
 
 

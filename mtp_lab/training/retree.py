@@ -26,17 +26,16 @@ another). So the tree is chosen apart from training, from held-out answers:
 
 The tree must never be chosen on the prompts it is reported on as held out: a tuning set that shares a prompt
 with a `--never-tune` file (the hand-written held-out chat prompts by default) is refused before anything loads,
-whatever the files are called. Prompts are compared by a hash of their normalised text (case-folded, whitespace
-collapsed: `self_prompts.normalise`).
+whatever the files are called. Prompts are compared by their normalised text (case-folded, whitespace collapsed:
+`self_prompts.normalise`).
 """
-import hashlib
 import json
 import os
 import time
 
 import torch
 
-from ..cli import float_in, int_at_least
+from ..cli import add_common, float_in, int_at_least
 from mtp_triton.heads import load_heads
 from mtp_triton.loading import load_model, load_tokenizer
 from ..records import env_info, write_json
@@ -83,20 +82,15 @@ def store_tree(heads_dir, tree, table):
     return previous
 
 
-def prompt_hash(text):
-    """The key two prompts are the same by: sha256 of the normalised text (case-folded, whitespace collapsed)."""
-    return hashlib.sha256(normalise(text).encode("utf-8")).hexdigest()
-
-
 def refuse_protected_prompts(tune, protected):
     """Raise ValueError if any tuning set {path: rows} shares a prompt with a protected set {path: rows}, naming
     both files, how many prompts they share and the first few (tuning id = protected id)."""
     for ppath, prows in protected.items():
         ids = {}
         for r in prows:
-            ids.setdefault(prompt_hash(r["text"]), r["id"])
+            ids.setdefault(normalise(r["text"]), r["id"])
         for tpath, trows in tune.items():
-            shared = [(r["id"], ids[prompt_hash(r["text"])]) for r in trows if prompt_hash(r["text"]) in ids]
+            shared = [(r["id"], ids[normalise(r["text"])]) for r in trows if normalise(r["text"]) in ids]
             if shared:
                 shown = ", ".join(f"{a!r} = {b!r}" for a, b in shared[:3]) + (", ..." if len(shared) > 3 else "")
                 raise ValueError(
@@ -169,9 +163,9 @@ def run(args):
 
 
 def add_arguments(sp):
-    sp.add_argument("--model", default="smollm2-135m-instruct")
-    sp.add_argument("--heads", default=os.path.join("data", "smollm2-135m-instruct-heads"),
-                    help="heads folder; its heads.json gets the new tree")
+    add_common(sp, "model", "heads", model="smollm2-135m-instruct", heads=dict(
+        default=os.path.join("data", "smollm2-135m-instruct-heads"), help="heads folder; its heads.json gets the "
+        "new tree"))
     sp.add_argument("--tune", default=",".join(os.path.join("data", "chat", f) for f in
                                                ("heldout_templated.jsonl", "dev_chat.jsonl")),
                     help="comma-separated prompt files whose answers choose the tree")
@@ -183,11 +177,11 @@ def add_arguments(sp):
                          "text, whatever the files are called); '' turns the guard off")
     sp.add_argument("--work", default=os.path.join("runs", "retree"), help="answers (resumable)")
     sp.add_argument("--records", default=None, help="default: <heads>/records")
-    sp.add_argument("--max-new-tokens", type=int_at_least(1), default=192)
+    add_common(sp, "max-new-tokens", max_new_tokens=192)
     sp.add_argument("--gen-batch", type=int_at_least(1), default=32)
     sp.add_argument("--budgets", type=budget_list, default="1,2,3,4,6,8,12,16,20,24,28,32",
                     help="tree sizes (drafts) to choose from")
     sp.add_argument("--min-speedup", type=float_in(0, low_open=True), default=1.4,
                     help="ship the most accepting tree predicted at least this fast (none: the fastest predicted)")
     sp.add_argument("--reps", type=int_at_least(1), default=21, help="timing rounds per tree (median)")
-    sp.add_argument("--threads", type=int_at_least(1), default=2)
+    add_common(sp, "threads")

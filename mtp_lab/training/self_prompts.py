@@ -25,7 +25,8 @@ import re
 import torch
 
 from mtp_triton.generate import generate
-from .answers import hf_answers, read_jsonl
+from ..records import open_log, read_jsonl
+from .answers import hf_answers
 
 # openers per category: the first words of a user's turn, the model writes the rest ("" = nothing: free Magpie)
 OPENERS = {
@@ -114,7 +115,7 @@ def write_self_prompts(tok, path, n, hf=None, model=None, batch=32, max_new_toke
         raise ValueError("pass exactly one of hf= (a transformers model) or model= (this engine's)")
     if n < 0 or batch < 1:
         raise ValueError(f"n must be >= 0 and batch >= 1, got n={n}, batch={batch}")
-    rows = read_jsonl(path) if os.path.exists(path) else []
+    rows = read_jsonl(path, "self-prompts file", torn_last="skip") if os.path.exists(path) else []
     seen = {normalise(t) for t in avoid} | {normalise(r["text"]) for r in rows}
     start = max((r["batch"] for r in rows), default=-1) + 1
     max_batches = max_batches if max_batches is not None else 4 * n // batch + 8
@@ -124,8 +125,7 @@ def write_self_prompts(tok, path, n, hf=None, model=None, batch=32, max_new_toke
     if progress and len(rows) < n:
         from tqdm import tqdm
         bar = tqdm(total=n, initial=len(rows), desc="self-prompts", unit="prompt")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "a") as f:
+    with open_log(path) as f:
         b = start
         while len(rows) < n and b < start + max_batches:
             cat, opener = plan(b, seed)

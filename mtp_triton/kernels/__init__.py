@@ -14,7 +14,8 @@ import os
 import sys
 
 # The one kernel registry: each public launcher and the module (file) it lives in. `ops` and the package's top-level
-# names read it; adding a kernel family means a file here, its twin in reference.py, and a line below.
+# names read it; a kernel family is a kernel file and its torch-only twin `<family>_ref.py` here, a line below,
+# and the twin's re-export in reference.py.
 KERNELS = {"fused_draft": "drafting", "tree_attention": "tree_attention", "tree_accept": "accept",
            "tree_accept_sample": "accept", "kv_append": "kv_append"}
 KERNEL_MODULES = tuple(sorted(set(KERNELS.values())))

@@ -36,7 +36,7 @@ on n's own row, so every node's "first accepted child" is computed at once, befo
 A zero-mass id is never drawn: the scan takes the first id with mass whose cdf exceeds the threshold,
 else the last id with mass in the chunk (V - 1 if the residual has no mass at all, as the reference).
 
-Exactness: the random numbers are inputs, so kernel and reference (`mtp_triton.reference`) make the
+Exactness: the random numbers are inputs, so kernel and twin (`accept_ref.py`) make the
 same decisions; the comparison u * total < p(x) is done in fp64 as the reference does (a Python float
 product), and sums are fp32 (fp64 for fp64 probs). They may differ only when a random number falls
 within fp32 rounding (~1e-7 of the row's mass) of a decision boundary, where the two sum in different
@@ -45,8 +45,8 @@ the rejected p(x) (so a chunk's residual is known to ~1e-7 of that chunk's mass)
 Invalid values (negative, NaN or inf probabilities, u outside [0, 1)) are refused under check_values;
 with check_values=False they give unspecified results (kernel and reference may then differ).
 
-Input checks live here so this file can be copied alone (torch + triton only); the
-PyTorch twin in ``mtp_triton.reference`` imports them, so both reject the same inputs.
+Its specification, `accept_ref.py` beside it (torch only), holds the PyTorch twins and the input checks
+imported below (so both reject the same inputs): copy the two files together.
 
 Example:
     >>> parents = torch.tensor([-1, 0, 0, 1])           # root, two children, a grandchild under node 1
@@ -59,84 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-def check_parents(parents, B, T, who="tree_accept", values=True):
-    """parents [T] or [B, T] int64: parents[.., 0] = -1; for i > 0, -1 (unused node) or 0 <= p < i.
-
-    An unused node (parent -1) can have no used children. Returns parents expanded to [B, T].
-    """
-    if not isinstance(parents, torch.Tensor) or parents.dtype != torch.int64:
-        raise TypeError(f"{who}: parents must be an int64 tensor")
-    if parents.dim() == 1:
-        parents = parents.unsqueeze(0).expand(B, -1)
-    if tuple(parents.shape) != (B, T):
-        raise ValueError(f"{who}: parents must be [{T}] or [{B}, {T}], got {tuple(parents.shape)}")
-    if not values:
-        return parents
-    if bool((parents[:, 0] != -1).any()):
-        raise ValueError(f"{who}: parents[.., 0] must be -1 (node 0 is the root)")
-    idx = torch.arange(T, device=parents.device)
-    if bool((parents >= idx).any()) or bool((parents < -1).any()):
-        raise ValueError(f"{who}: parents[i] must be -1 or in [0, i) (parents come before children)")
-    if T > 1:
-        p = parents[:, 1:]
-        used = torch.ones(B, T, dtype=torch.bool, device=parents.device)
-        used[:, 1:] = p >= 0
-        parent_used = used.gather(1, p.clamp(min=0))
-        if bool((used[:, 1:] & ~parent_used).any()):
-            raise ValueError(f"{who}: a node's parent is an unused node (parent -1)")
-    return parents
-
-
-def _check_tokens(draft_tokens, B_T=None, who="tree_accept"):
-    if not isinstance(draft_tokens, torch.Tensor) or draft_tokens.dtype != torch.int64 or draft_tokens.dim() != 2:
-        raise TypeError(f"{who}: draft_tokens must be int64 [B, T]")
-    B, T = draft_tokens.shape
-    if B < 1 or T < 1:
-        raise ValueError(f"{who}: empty draft_tokens {tuple(draft_tokens.shape)}")
-    return B, T
-
-
-def check_tree_accept_inputs(draft_tokens, parents, target_tokens, values=True):
-    """draft_tokens [B, T] int64; parents [T] or [B, T] int64; target_tokens [B, T] int64."""
-    B, T = _check_tokens(draft_tokens)
-    if not isinstance(target_tokens, torch.Tensor) or target_tokens.dtype != torch.int64 or \
-            tuple(target_tokens.shape) != (B, T):
-        raise ValueError(f"tree_accept: target_tokens must be int64 [{B}, {T}]")
-    if len({draft_tokens.device, parents.device, target_tokens.device}) != 1:
-        raise ValueError("tree_accept: all tensors must be on one device")
-    return check_parents(parents, B, T, values=values)
-
-
-def check_tree_accept_sample_inputs(draft_tokens, parents, target_probs, u_accept, u_sample, values=True):
-    """draft_tokens [B, T] int64; parents [T] or [B, T]; target_probs [B, T, V] float, finite and >= 0 (rows
-    need not be normalised); u_accept [B, T] float in [0, 1) (entry 0 unused); u_sample [B] float in [0, 1).
-    `values=False` skips every check that reads values (host syncs on a GPU)."""
-    who = "tree_accept_sample"
-    B, T = _check_tokens(draft_tokens, who=who)
-    if not isinstance(target_probs, torch.Tensor) or not target_probs.is_floating_point() or \
-            target_probs.dim() != 3 or target_probs.shape[:2] != (B, T):
-        raise ValueError(f"{who}: target_probs must be float [{B}, {T}, V]")
-    if not isinstance(u_accept, torch.Tensor) or not u_accept.is_floating_point() or tuple(u_accept.shape) != (B, T):
-        raise ValueError(f"{who}: u_accept must be float [{B}, {T}]")
-    if not isinstance(u_sample, torch.Tensor) or not u_sample.is_floating_point() or tuple(u_sample.shape) != (B,):
-        raise ValueError(f"{who}: u_sample must be float [{B}]")
-    if len({t.device for t in (draft_tokens, parents, target_probs, u_accept, u_sample)}) != 1:
-        raise ValueError(f"{who}: all tensors must be on one device")
-    for name, t in dict(target_probs=target_probs, u_accept=u_accept, u_sample=u_sample).items():
-        if not t.is_contiguous():
-            raise ValueError(f"{who}: {name} must be contiguous")
-    V = target_probs.shape[2]
-    if V < 1:
-        raise ValueError(f"{who}: empty vocabulary (target_probs.shape[2] = 0)")
-    if values and T > 1 and (bool((draft_tokens[:, 1:] < 0).any()) or bool((draft_tokens[:, 1:] >= V).any())):
-        raise ValueError(f"{who}: draft token ids must be in [0, V={V})")
-    if values and (not bool(torch.isfinite(target_probs).all()) or bool((target_probs < 0).any())):
-        raise ValueError(f"{who}: target_probs must be finite and >= 0 (found negative, NaN or inf values)")
-    for name, u in ((("u_accept", u_accept[:, 1:]), ("u_sample", u_sample)) if values else ()):
-        if not bool(((u >= 0) & (u < 1)).all()):
-            raise ValueError(f"{who}: {name} must hold uniforms in [0, 1) (found values outside, or NaN)")
-    return check_parents(parents, B, T, who, values)
+from .accept_ref import check_tree_accept_inputs, check_tree_accept_sample_inputs
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -328,7 +251,7 @@ def tree_accept(draft_tokens, parents, target_tokens, *, check_values=True):
     ends the path; the bonus token is target_tokens[n].
     draft_tokens [B, T] int64 (entry 0 ignored); parents [T] or [B, T] int64; target_tokens [B, T] int64.
     Returns accept_len [B] int64, accept_nodes [B, T] int64 (root 0, accepted nodes by depth, -1 padded),
-    next_token [B] int64 — exactly as `mtp_triton.reference.tree_accept`.
+    next_token [B] int64 — exactly as `accept_ref.tree_accept`.
     """
     check_tree_accept_inputs(draft_tokens, parents, target_tokens, values=check_values)
     B, T = draft_tokens.shape
@@ -367,7 +290,7 @@ def tree_accept_sample(draft_tokens, parents, target_probs, u_accept, u_sample, 
     draft_tokens [B, T] int64; parents [T] or [B, T] int64; target_probs [B, T, V] float (already after
     temperature / top-p; finite, >= 0, rows need not be normalised); u_accept [B, T] uniforms in [0, 1)
     (entry 0 unused); u_sample [B] uniforms in [0, 1). Returns accept_len [B], accept_nodes [B, T],
-    next_token [B] (int64), the same decisions as `mtp_triton.reference.tree_accept_sample` for the same
+    next_token [B] (int64), the same decisions as `accept_ref.tree_accept_sample` for the same
     random numbers. Sums in fp32 (fp64 for fp64 target_probs), the acceptance comparison in fp64.
     Two launches: chunk sums of every row over a (B*T, V-chunk) grid, then one walk program per sequence.
     """

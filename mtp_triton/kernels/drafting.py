@@ -87,79 +87,14 @@ Example (CPU tensors, so run it under TRITON_INTERPRET=1; on a GPU pass cuda ten
     >>> torch.equal(ids, token_map[logits[..., token_map].topk(4).indices])
     True
 
-Input checks live here so this file can be copied alone (torch + triton only); the
-PyTorch twin in ``mtp_triton.reference`` imports them, so both reject the same inputs.
+Its specification, `drafting_ref.py` beside it (torch only), holds the PyTorch twin and the input checks
+imported below (so both reject the same inputs): copy the two files together.
 """
 import torch
 import triton
 import triton.language as tl
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-MAX_TOKEN_ID = 2 ** 31 - 1     # token ids fit int32 in every vocabulary; a larger map entry is garbage
-
-
-def check_fused_draft_inputs(hidden, res_weight, res_bias, lm_head, top_k, token_map=None, values=True):
-    """Validate ``fused_draft`` arguments; raise ValueError/TypeError with a clear message.
-
-    hidden [B, D]; res_weight [H, D, D]; res_bias [H, D]; lm_head [V, D] (shared) or [H, V, D] (one per head);
-    1 <= top_k <= V; token_map None or int64 [V], strictly increasing ids in [0, 2^31 - 1]. `values=False` skips
-    the checks that read token_map's values (a host sync on a GPU); shapes, dtypes and devices are always checked.
-    """
-    if (res_weight is None) != (res_bias is None):
-        raise ValueError("fused_draft: res_weight and res_bias are both tensors, or both None (the ResBlock off)")
-    tensors = dict(hidden=hidden, res_weight=res_weight, res_bias=res_bias, lm_head=lm_head)
-    if res_weight is None:                       # the ResBlock switched off: one "head", z = x
-        tensors = dict(hidden=hidden, lm_head=lm_head)
-    for name, t in tensors.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"fused_draft: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"fused_draft: {name} must be a floating tensor, got {t.dtype}")
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"fused_draft: {name} has dtype {t.dtype}; supported: float16, bfloat16, float32, "
-                            f"float64")
-    if hidden.dim() != 2:
-        raise ValueError(f"fused_draft: hidden must be [B, D], got shape {tuple(hidden.shape)}")
-    B, D = hidden.shape
-    if res_weight is not None and (res_weight.dim() != 3 or res_weight.shape[1:] != (D, D)):
-        raise ValueError(f"fused_draft: res_weight must be [H, {D}, {D}], got {tuple(res_weight.shape)}")
-    H = 1 if res_weight is None else res_weight.shape[0]
-    if H < 1:
-        raise ValueError("fused_draft: need at least one head (res_weight.shape[0] >= 1)")
-    if res_bias is not None and tuple(res_bias.shape) != (H, D):
-        raise ValueError(f"fused_draft: res_bias must be [{H}, {D}], got {tuple(res_bias.shape)}")
-    if not ((lm_head.dim() == 2 and lm_head.shape[1] == D) or
-            (lm_head.dim() == 3 and lm_head.shape[0] == H and lm_head.shape[2] == D)):
-        raise ValueError(f"fused_draft: lm_head must be [V, {D}] (shared) or [{H}, V, {D}] (one per head), got "
-                         f"{tuple(lm_head.shape)}")
-    V = lm_head.shape[-2]
-    if B < 1 or V < 1:
-        raise ValueError(f"fused_draft: empty input (B={B}, V={V})")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= V:
-        raise ValueError(f"fused_draft: top_k must be an int in [1, V={V}], got {top_k!r}")
-    if token_map is not None:
-        if not isinstance(token_map, torch.Tensor) or token_map.dtype != torch.int64:
-            raise TypeError(f"fused_draft: token_map must be an int64 tensor, got "
-                            f"{getattr(token_map, 'dtype', type(token_map).__name__)}")
-        if tuple(token_map.shape) != (V,):
-            raise ValueError(f"fused_draft: token_map must be [{V}] (one id per lm_head row), got "
-                             f"{tuple(token_map.shape)}")
-        tensors["token_map"] = token_map
-    devices = {t.device for t in tensors.values()}
-    if len(devices) != 1:
-        raise ValueError(f"fused_draft: all tensors must be on one device, got {sorted(map(str, devices))}")
-    dtypes = {res_weight.dtype, res_bias.dtype} if res_weight is not None else {hidden.dtype}
-    if len(dtypes) != 1:
-        raise TypeError(f"fused_draft: res_weight and res_bias must share a dtype, got {sorted(map(str, dtypes))}")
-    for name, t in tensors.items():
-        if not t.is_contiguous():
-            raise ValueError(f"fused_draft: {name} must be contiguous (call .contiguous())")
-    if token_map is not None and values:
-        if bool((token_map < 0).any()) or bool((token_map > MAX_TOKEN_ID).any()):
-            raise ValueError(f"fused_draft: token_map ids must be in [0, {MAX_TOKEN_ID}]")
-        if V > 1 and bool((token_map[1:] <= token_map[:-1]).any()):
-            raise ValueError("fused_draft: token_map must be strictly increasing (sorted ids, no repeats), so that "
-                             "ties still go to the lower id")
+from .drafting_ref import check_fused_draft_inputs
 
 
 # ----------------------------------------------------------------------------------------------------- kernels
@@ -399,16 +334,11 @@ def draft_config(B, H, D, V, top_k, device, per_head=False, capability=None):
                     MERGE_R=_p2(B * H, 1, 16), CHUNK=1024, CHUNK_T=1024, num_warps=4, num_stages=1,
                     res_warps=4, res_stages=1)
     block_r = _p2(RG, 16, 128)
-    # Per target, from ahead-of-time compiles (the repository's compile audit; ptxas 12.8 / ptxas-blackwell 13.1 with
-    # Triton 3.7.1's --regAllocOptLevel=2), so that no vocab tile spills:
-    #  * warps: 8 for 64+ rows. On sm_100 (tcgen05: the logits tile lives in tensor memory and is read into
-    #    registers for the top-k) always 8: at 4 warps ptxas stopped at 80-128 registers and spilled 16-36 B
-    #    (stores + loads); at 8 it needs 56-128 and spills nothing. On sm_80 per-head LM heads (G = H groups of
-    #    B rows) also 8: since the tile kernel ranks NaN / inf logits as the twin does, they spilled 4 B at 4
-    #    warps (128 registers); sm_120 spills 8 B at 8 warps (64 registers) there and none at 4.
-    #  * BLOCK_D: 64; on sm_120 at 64+ rows 32: with 64 ptxas stopped at 128 registers and spilled 32 B (stores +
-    #    loads); with 32, 114 registers, half the shared memory per stage (sm_120 has 100 KB per SM), the same
-    #    3-stage pipeline, and two blocks per SM (by registers) instead of one (by shared memory).
+    # Per target, so that no vocab tile spills (ahead-of-time compiles: the repository's compile audit):
+    #  * warps: 8 for 64+ rows; always 8 on sm_100 (tcgen05: the logits tile is read from tensor memory into
+    #    registers for the top-k, and spills at 4 warps), and 8 on sm_80 for per-head LM heads (4 warps spill);
+    #  * BLOCK_D: 64; on sm_120 at 64+ rows 32 (64 spills there; 32 also halves the shared memory per stage, so two
+    #    blocks fit an SM's 100 KB).
     major = (capability or torch.cuda.get_device_capability(device))[0]
     return dict(BLOCK_B=_p2(B, 16, 64), BLOCK_N=64, BLOCK_K=64,
                 BLOCK_R=block_r, BLOCK_V=128, BLOCK_D=32 if major == 12 and block_r >= 64 else 64,
@@ -429,7 +359,7 @@ def fused_draft(hidden, res_weight, res_bias, lm_head, top_k, *, token_map=None,
     check_values=False skips the checks that read token_map's values (host syncs); shapes are always checked.
     returns token_ids [B, H, top_k] int64 (descending logit, ties -> lower id) and
             logprobs  [B, H, top_k] float32 = log_softmax(logits_h) at those ids.
-    Same signature and results as ``mtp_triton.reference.fused_draft``; the logits are never materialised.
+    Same signature and results as ``drafting_ref.fused_draft``; the logits are never materialised.
     """
     check_fused_draft_inputs(hidden, res_weight, res_bias, lm_head, top_k, token_map, values=check_values)
     return _fused_draft(hidden, res_weight, res_bias, lm_head, top_k, token_map=token_map)

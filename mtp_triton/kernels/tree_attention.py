@@ -41,13 +41,14 @@ its tree keys in separate passes, in tiles and splits that depend on T, so a tre
 serial steps that would emit the same tokens, and in bf16 a near-tie can flip. The variant gives every node its own
 program and walks its keys by absolute position, in tiles aligned at 0, taking each key from the cache or from the
 node's ancestor at that depth: the same tiles, in the same order, whatever is cached and whatever else is in the tree.
+Its twin, `tree_attention_ref.tree_attention(..., exact=True)`, is the engine's exact attention on a CPU.
 
 Dtypes: fp32, fp16, bf16 (fp32 accumulation; fp16/bf16 tensor-core dots on the GPU, fp32 dots on
 fp32 inputs and under the interpreter, whose bf16 arithmetic is broken). fp64 is refused with a
-TypeError: use `mtp_triton.reference.tree_attention` (the engine's CPU path) for fp64.
+TypeError: use the twin, `tree_attention_ref.tree_attention` (the engine's CPU path), for fp64.
 
-Input checks live here so this file can be copied alone (torch + triton only); the
-PyTorch twin in ``mtp_triton.reference`` imports them, so both reject the same inputs.
+Its specification, `tree_attention_ref.py` beside it (torch only), holds the PyTorch twin and the input checks
+imported below (so both reject the same inputs): copy the two files together.
 
 Example (on CPU: call mtp_triton.use_interpreter() or set TRITON_INTERPRET=1 before importing this file):
     >>> B, T, Hq, Hkv, Dh, BS = 2, 3, 4, 2, 16, 16
@@ -76,113 +77,12 @@ Example (on CPU: call mtp_triton.use_interpreter() or set TRITON_INTERPRET=1 bef
     4
 """
 import functools
-import numbers
 
 import torch
 import triton
 import triton.language as tl
 
-
-def check_window(window):
-    """window: None (no limit) or an int >= 1 (a Python or NumPy integer; bool is refused). Returns it as int."""
-    if window is None:
-        return None
-    if isinstance(window, bool) or not isinstance(window, numbers.Integral):
-        raise TypeError(f"tree_attention: window must be None or an int >= 1, got {type(window).__name__}")
-    if window < 1:
-        raise ValueError(f"tree_attention: window must be >= 1 (or None for no limit), got {window}")
-    return int(window)
-
-
-def check_tree_attention_inputs(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask,
-                                values=True, window=None):
-    """Validate ``tree_attention`` arguments (shapes, dtypes, devices, and the mask/table values).
-
-    q [B, T, Hq, Dh]; k_cache, v_cache [NB, BS, Hkv, Dh]; block_table [B, max_blocks] int32;
-    cache_lens [B] int32; k_tree, v_tree [B, T, Hkv, Dh]; tree_mask [T, T] or [B, T, T] bool;
-    window None or an int >= 1 (always checked). The block table must hold room for cache_lens + T tokens
-    (the step appends up to T). Entries in use, the first ceil(cache_lens[b] / BS) of row b (the blocks
-    read), must be block ids in [0, NB), none used twice; unused entries are -1 (any value is ignored).
-    Returns the mask expanded to [B, T, T].
-    """
-    check_window(window)
-    named = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, cache_lens=cache_lens,
-                 k_tree=k_tree, v_tree=v_tree, tree_mask=tree_mask)
-    for name, t in named.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"tree_attention: {name} must be a torch.Tensor, got {type(t).__name__}")
-    devices = {t.device for t in named.values()}
-    if len(devices) != 1:
-        raise ValueError(f"tree_attention: all tensors must be on one device, got {sorted(map(str, devices))}")
-    if q.dim() != 4:
-        raise ValueError(f"tree_attention: q must be [B, T, Hq, Dh], got {tuple(q.shape)}")
-    B, T, Hq, Dh = q.shape
-    if B < 1 or T < 1:
-        raise ValueError(f"tree_attention: empty batch or tree (B={B}, T={T})")
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"tree_attention: k_cache/v_cache must both be [NB, BS, Hkv, Dh], got "
-                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    NB, BS, Hkv, Dh_c = k_cache.shape
-    if Dh_c != Dh:
-        raise ValueError(f"tree_attention: head dim of q ({Dh}) and cache ({Dh_c}) differ")
-    if Hkv < 1 or Hq % Hkv != 0:
-        raise ValueError(f"tree_attention: Hq ({Hq}) must be a multiple of Hkv ({Hkv}) (GQA)")
-    if tuple(k_tree.shape) != (B, T, Hkv, Dh) or k_tree.shape != v_tree.shape:
-        raise ValueError(f"tree_attention: k_tree/v_tree must be [{B}, {T}, {Hkv}, {Dh}], got "
-                         f"{tuple(k_tree.shape)} and {tuple(v_tree.shape)}")
-    if not q.is_floating_point() or len({q.dtype, k_cache.dtype, v_cache.dtype, k_tree.dtype, v_tree.dtype}) != 1:
-        raise TypeError("tree_attention: q, k_cache, v_cache, k_tree, v_tree must share one floating dtype, got "
-                        f"{[str(t.dtype) for t in (q, k_cache, v_cache, k_tree, v_tree)]}")
-    if block_table.dim() != 2 or block_table.shape[0] != B or block_table.dtype != torch.int32:
-        raise ValueError(f"tree_attention: block_table must be int32 [{B}, max_blocks], got "
-                         f"{block_table.dtype} {tuple(block_table.shape)}")
-    if tuple(cache_lens.shape) != (B,) or cache_lens.dtype != torch.int32:
-        raise ValueError(f"tree_attention: cache_lens must be int32 [{B}], got {cache_lens.dtype} "
-                         f"{tuple(cache_lens.shape)}")
-    if tree_mask.dtype != torch.bool or tree_mask.shape[-2:] != (T, T) or tree_mask.dim() not in (2, 3) or (
-            tree_mask.dim() == 3 and tree_mask.shape[0] != B):
-        raise ValueError(f"tree_attention: tree_mask must be bool [{T}, {T}] or [{B}, {T}, {T}], got "
-                         f"{tree_mask.dtype} {tuple(tree_mask.shape)}")
-    for name in ("q", "k_cache", "v_cache", "k_tree", "v_tree", "block_table", "cache_lens"):
-        if not named[name].is_contiguous():
-            raise ValueError(f"tree_attention: {name} must be contiguous (call .contiguous())")
-    mask = tree_mask.expand(B, T, T)
-    if not values:
-        return mask
-    eye = torch.eye(T, dtype=torch.bool, device=mask.device)
-    if not bool(mask[:, eye].all()):
-        raise ValueError("tree_attention: tree_mask must be reflexive (every node sees itself)")
-    if bool(mask.triu(1).any()):
-        raise ValueError("tree_attention: tree_mask must be lower-triangular (a node sees only earlier nodes)")
-    if bool((cache_lens < 0).any()):
-        raise ValueError("tree_attention: cache_lens must be >= 0")
-    if int((cache_lens.long() + T).max()) > block_table.shape[1] * BS:
-        raise ValueError(f"tree_attention: block_table has room for {block_table.shape[1] * BS} tokens, but "
-                         f"cache_lens + T needs {int((cache_lens.long() + T).max())}")
-    # block-table entries in use: the first ceil(cache_lens[b] / BS) of row b (the blocks this call reads)
-    blocks_used = (cache_lens.long() + BS - 1) // BS                     # [B]
-    cols = torch.arange(block_table.shape[1], device=block_table.device)
-    in_use = cols[None, :] < blocks_used[:, None]                        # [B, max_blocks]
-    ids = block_table.long()
-    bad_ids = in_use & ((ids < 0) | (ids >= NB))                         # -1 (no block) or out of range
-    unused = -1 - torch.arange(ids.numel(), device=ids.device).view_as(ids)   # distinct, all < 0
-    ranked = torch.where(in_use, ids, unused).flatten().sort().values
-    shared = (ranked[1:] == ranked[:-1]) & (ranked[1:] >= 0)              # a block id in use twice
-    bad_block, shared = torch.stack([bad_ids.any(), shared.any()]).tolist()     # one host sync
-    if bad_block:
-        b, c = bad_ids.nonzero()[0].tolist()
-        raise ValueError(f"tree_attention: block_table entries in use must be in [0, {NB}): block_table[{b}, {c}] "
-                         f"= {int(ids[b, c])}, but sequence {b} holds {int(cache_lens[b])} cached tokens in "
-                         f"{int(blocks_used[b])} blocks (-1 marks an entry with no block)")
-    if shared:
-        first = {}
-        for b, c in in_use.nonzero().tolist():
-            seen = first.setdefault(int(ids[b, c]), (b, c))
-            if seen != (b, c):
-                raise ValueError(f"tree_attention: block id {int(ids[b, c])} is in use twice, at block_table"
-                                 f"{list(seen)} and block_table{[b, c]}: no two sequences (or positions) may "
-                                 "share a block")
-    return mask
+from .tree_attention_ref import check_tree_attention_inputs, check_window
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -480,16 +380,11 @@ def _tiles(rows, interp, major=None, window=False):
     GPU of compute capability `major`.x (None: the interpreter, or no target-specific choice); `window`: the
     sliding-window variant (USE_WINDOW).
 
-    GPU dots need every dim >= 16. Register budget, from ahead-of-time compiles (ptxas -v, cuobjdump) of
-    the Llama-2-7B / Llama-3-8B bf16 launches at B 1/8, T 1/16/64, context 512/8192: 64-row tiles with
-    4 warps sat at the 255 cap on sm_80 with 32-60 bytes of spills (and at 252-255 on sm_90 at odd T),
-    so they run 8 warps: 159-186 registers on sm_90, 152-188 on sm_80, no spills (at odd T the unsplit
-    variant still takes 254-255 on sm_80, without spills). 16-row tiles: 4 warps, 126-168 registers;
-    32-row tiles (odd T only): 4 warps, 242-246, no spills. The window variant adds up to ~25.
-    sm_100, window variant, 64-row tiles: 32-key tiles and 3 stages. With 64-key tiles and 2 stages ptxas-blackwell
-    13.1 (with Triton 3.7.1's --regAllocOptLevel=2) stopped at 128 registers and spilled 8-32 B (Mistral-7B,
-    window 4096); with 32 x 3 it needs 100-126 and spills nothing, and keeps the same bytes in flight (two 16 KB
-    K/V tiles ahead instead of one 32 KB one). Other targets and variants are unchanged.
+    GPU dots need every dim >= 16. Register budget (the repository's ahead-of-time compile audit of the Llama-2-7B /
+    Llama-3-8B bf16 launches): 64-row tiles at 4 warps reach the 255-register cap and spill on sm_80, so they run 8
+    warps (no spills on sm_80 or sm_90); 16- and 32-row tiles fit in 4 warps; the window variant adds a few
+    registers. sm_100, window variant, 64-row tiles: 32-key tiles and 3 stages, since 64-key tiles and 2 stages
+    spill under ptxas-blackwell's 128-register allocation, and 32 x 3 keeps the same bytes in flight.
     """
     block_m = min(64, max(16, triton.next_power_of_2(rows)))
     block_n, num_stages = (32 if interp else 64), 2
@@ -506,7 +401,7 @@ def _tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree
     window = check_window(window)
     if q.dtype not in _COMPUTE:
         raise TypeError(f"tree_attention (Triton): dtype {q.dtype} is not supported; use fp32, fp16 or bf16 "
-                        "(mtp_triton.reference.tree_attention handles fp64)")
+                        "(its PyTorch twin, mtp_triton.reference.tree_attention, handles fp64)")
     if q.device.type != "cuda" and not _interpreting():
         raise RuntimeError("tree_attention (Triton): tensors must be on a CUDA device, or run the kernels in "
                            "Triton's interpreter: call mtp_triton.use_interpreter() (or set TRITON_INTERPRET=1) "
@@ -610,34 +505,22 @@ def _exact_tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, 
 
 def tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask, sm_scale=None, *,
                    window=None, check_values=True, exact=False):
-    """Attention of T tree nodes over a paged cache plus the tree itself (Triton).
-
-    out[b, i] = softmax(q_i [K_cache(b); K_tree(b)]^T * sm_scale, tree nodes masked by tree_mask[b, i]) V
-    q [B, T, Hq, Dh]; k_cache, v_cache [NB, BS, Hkv, Dh] (one layer, paged); block_table [B, max_blocks]
-    int32; cache_lens [B] int32 (0 allowed); k_tree, v_tree [B, T, Hkv, Dh]; tree_mask [T, T] or [B, T, T]
-    bool (reflexive, lower-triangular: node i sees itself and its ancestors); sm_scale defaults to Dh ** -0.5.
-    GQA: query head h uses KV head h // (Hq // Hkv). Returns out [B, T, Hq, Dh] in q's dtype.
-    window: None (every cached token visible) or W >= 1 (Mistral's sliding_window): node i at position
-    p_i = cache_lens[b] + depth_i (depth_i = tree_mask[b, i].sum() - 1) sees cache position j iff p_i - j < W
-    and an ancestor a iff p_i - p_a < W; cache tiles outside every row's window are not read.
-    fp32 / fp16 / bf16; fp64 raises TypeError. Same inputs are rejected as by the reference.
-    The split-KV count comes from `choose_num_splits` (grid size, SM count, the block table's capacity:
-    no host sync, and a run-time argument, so new batch sizes and capacities do not recompile).
-    exact=True: the batch-invariant variant. Node i's output has the same bits whatever the tree around it and
-    whether its ancestors are tree nodes or cached, so a serial step computes the bits a tree step does (the premise
-    of lossless bf16 MTP, mtp_triton/invariant.py): its keys are summed in tiles aligned at position 0, each key read
-    from the cache or from the node's ancestor at that depth, one program per (node, KV head), no split-KV. The price:
-    a tree of T nodes reads the cache T times (from L2 where it fits), and batch 1 at a long context runs on few SMs.
-    check_values=False skips the checks that read tensor values (mask structure, cache lengths, block ids:
-    host syncs on a GPU); shapes, dtypes and devices are always checked. For callers that built the inputs
-    themselves (the engine's hot loop). With bad values this kernel
+    """Attention of T tree nodes over a paged cache plus the tree itself (Triton): `tree_attention_ref.tree_attention`
+    (the math, shapes, window and exact=True are stated there), on the GPU. fp32 / fp16 / bf16; fp64 raises TypeError.
+    Cache tiles outside every row's window are not read. The split-KV count comes from `choose_num_splits` (grid
+    size, SM count, the block table's capacity: no host sync, and a run-time argument, so new batch sizes and
+    capacities do not recompile). exact=True: one program per (node, KV head), keys in tiles aligned at position 0,
+    each read from the cache or from the node's ancestor at that depth, no split-KV. The price: a tree of T nodes
+    reads the cache T times (from L2 where it fits), and batch 1 at a long context runs on few SMs.
+    check_values=False skips the checks that read tensor values (mask structure, cache lengths, block ids: host
+    syncs on a GPU); shapes, dtypes and devices are always checked. For callers that built the inputs themselves
+    (the engine's hot loop). With bad values this kernel
       * leaves out of the softmax every cached position whose block-table entry is not a block id in
         [0, NB) (-1: no block) or lies past the table's width: silently wrong output, but nothing outside
         the cache is read;
       * reads an entry naming another sequence's block as this sequence's (silently wrong output).
-    The twin raises IndexError in the first case (on CPU; on CUDA a device-side assert) and reads the
-    foreign block like the kernel in the second. Other bad values (a mask that is not reflexive and
-    lower-triangular, negative cache_lens) give undefined output, still without out-of-bounds reads.
+    Other bad values (a mask that is not reflexive and lower-triangular, negative cache_lens) give undefined output,
+    still without out-of-bounds reads.
     """
     return _tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask, sm_scale,
                            check_values=check_values, window=window, exact=exact)
