@@ -11,6 +11,7 @@ import torch
 
 from mtp_triton.loading import load_model, load_tokenizer
 from mtp_triton.mtp_module import MTPModule, is_module_folder, load_drafter
+from mtp_triton.policy import RuntimeConfig
 from mtp_triton.tree import PRESETS, Tree, get_tree, is_tree_name
 from mtp_triton.tuning import best_tree
 from .records import read_jsonl
@@ -31,8 +32,16 @@ TREE_NAMES = ("stored", "auto")          # besides every name mtp_triton.tree.ge
 
 def cli_drafter(model, arg, heads=None):
     """--drafter as given; else the kind of the --heads folder given; else DEFAULT_DRAFTER where this model has one
-    of that kind, else its heads."""
+    of that kind, else its heads. A --drafter that contradicts the kind of the --heads folder given (an MTP module
+    folder with --drafter medusa, a heads folder with --drafter mtp) is a ValueError naming both flags."""
     if arg is not None:
+        if heads is not None and os.path.isdir(heads):
+            kind = ("mtp" if is_module_folder(heads)
+                    else "medusa" if os.path.exists(os.path.join(heads, "heads.json")) else None)
+            if kind is not None and kind != arg:
+                what = "an MTP module" if kind == "mtp" else "MTP heads (medusa)"
+                raise ValueError(f"--heads {heads} holds {what}, but --drafter {arg} was given; drop --drafter, or "
+                                 f"give a --heads folder of that kind")
         return arg
     if heads is not None:
         return "mtp" if is_module_folder(heads) else "medusa"
@@ -55,6 +64,10 @@ def load_bundle(model=SMOLLM2, heads=None, device=None, dtype=None, drafter="med
     if dtype is None and model == SMOLLM2 and (device or "cpu") == "cpu" and not torch.cuda.is_available():
         dtype = torch.bfloat16
     heads_path = heads or heads_dir_for(model, drafter)
+    if heads is None and not os.path.exists(heads_path):
+        kind = "MTP module (--drafter mtp)" if drafter == "mtp" else "MTP heads (--drafter medusa)"
+        raise ValueError(f"{model} ships no {kind}: {heads_path} does not exist; choose the other --drafter, or give "
+                         "a drafter folder with --heads")
     m = load_model(model, device=device, dtype=dtype)
     h = load_drafter(heads_path, device=m.device, dtype=torch.float32)
     check_heads_fit(h, m, heads_path)
@@ -189,3 +202,13 @@ def describe_drafter(heads, tree):
 def tree_size(heads, tree):
     """The most nodes a step verifies: the tree's size, or the MTP module's node budget."""
     return heads.draft["nodes"] if tree is None else tree.size
+
+
+def reproducible_runtime(temperature, seed, **settings):
+    """The RuntimeConfig of a command (None where every setting is None). Sampling with a seed verifies fixed trees
+    (size_by_cost=False): the CPU default sizes each step's tree by measured step costs, and the random numbers
+    follow the verified trees, so without this the same --seed could sample other text on a busier moment."""
+    settings = {k: v for k, v in settings.items() if v is not None}
+    if temperature > 0 and seed is not None:
+        settings["size_by_cost"] = False
+    return RuntimeConfig(**settings) if settings else None

@@ -25,7 +25,7 @@ from .cli import add_common, command_parser, error
 from mtp_triton.generate import RuntimeConfig, generate
 from mtp_triton.mtp_module import MTPModule
 from .records import append_rows, ensure_writable_dir, env_info
-from .bundle import (CHAT_PROMPTS, PROMPTS, SMOLLM2, check_tree_name, cli_drafter,
+from .bundle import (CHAT_PROMPTS, PROMPTS, SMOLLM2, check_tree_name, cli_drafter, reproducible_runtime,
                      describe_drafter, encode, generate_tree, heads_dir_for, load_bundle, pick_prompts, pick_tree,
                      read_prompts, tree_size)
 from mtp_triton.sampling import check_seed, check_temperature
@@ -181,7 +181,7 @@ def text_generate(argv=None):
         return error("--prompt is not valid UTF-8 text")
     try:
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[a.dtype]
-        runtime = RuntimeConfig(prune_below=a.prune_below) if a.prune_below is not None else None
+        runtime = reproducible_runtime(a.temperature, a.seed, prune_below=a.prune_below)
         check_temperature(a.temperature, a.top_p)
         check_seed(a.seed)
         check_tree_name(a.tree)

@@ -13,6 +13,7 @@ import hashlib
 import io
 import json
 import os
+import pickle
 import platform
 import subprocess
 import sys
@@ -107,8 +108,9 @@ def read_rows(path):
 
 def read_whole_rows(path):
     """(whole rows, number of torn rows left out) of a CSV. A torn row has another number of fields than the header
-    (a row cut mid-line by kill -9 or a power loss); blank lines are skipped. A last row with every field but no
-    line end is whole (other tools may omit the last line end)."""
+    (a row cut mid-line by kill -9 or a power loss); blank lines are skipped. A last row without a line end is torn
+    too, whatever its number of fields (append_rows ends every row with one; a row cut after "Tru" of "True" still
+    has all its fields)."""
     with _csv_lock(path, exclusive=False):
         return _parse(path)
 
@@ -158,12 +160,16 @@ class KeptRows:
 
 
 def _parse(path):
+    """(whole rows, torn rows). The writer ends every row with a line end, so a last row without one was cut in
+    the middle of its write (even when its number of fields is right: "True" cut to "Tru"): it is torn."""
+    cut = not _ends_with_newline(path)
     with open(path, newline="", encoding="utf-8") as f:
         reader = csv.reader(f)
         header = next(reader, None)
         rows, torn = [], 0
         if not header:
             return rows, torn
+        last_whole = False                              # whether the last record read went into rows
         while True:
             try:
                 fields = next(reader)
@@ -171,13 +177,19 @@ def _parse(path):
                 break
             except csv.Error:                           # e.g. a NUL byte or an unfinished quote: a torn row
                 torn += 1
+                last_whole = False
                 continue
             if not fields:
                 continue
             if len(fields) != len(header):
                 torn += 1
+                last_whole = False
                 continue
             rows.append(dict(zip(header, fields)))
+            last_whole = True
+        if cut and last_whole:                          # the last row has no line end: torn
+            rows.pop()
+            torn += 1
     return rows, torn
 
 
@@ -239,7 +251,10 @@ def _header(path):
 
 
 def _ends_with_newline(path):
+    """True when the file ends with a line end (an empty file counts as ending with one)."""
     with open(path, "rb") as f:
+        if f.seek(0, os.SEEK_END) == 0:
+            return True
         f.seek(-1, os.SEEK_END)
         return f.read(1) == b"\n"
 
@@ -349,6 +364,18 @@ def save_torch(obj, path):
     buf = io.BytesIO()
     torch.save(obj, buf)
     return write_bytes(path, buf.getbuffer())
+
+
+def load_torch(path, what="file"):
+    """torch.load with weights_only=True: tensors, containers, numbers and strings only. A pickle that asks for
+    anything else (a class whose __reduce__ runs code: a crafted --checkpoint or cache) is refused, without running
+    it, as a ValueError naming `what` and the file."""
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{what} {path}: refused to load: it holds more than tensors, numbers, strings and "
+                         f"containers ({first}); delete it if you did not make it with this lab") from None
 
 
 def ensure_writable_dir(path):

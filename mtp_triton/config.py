@@ -50,9 +50,15 @@ class ModelConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ValueError(f"{name} must be a positive number, got {v!r}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
+            raise ValueError(f"rope_scaling must be an object (or null), got {self.rope_scaling!r}")
         kind = (self.rope_scaling or {}).get("rope_type", "default")
         if kind not in ROPE_TYPES:
             raise ValueError(f"unsupported rope_type {kind!r} (supported: {', '.join(ROPE_TYPES)})")
+        bad = _bad_rope_numbers(kind, self.rope_scaling or {})
+        if bad:
+            raise ValueError(f"rope_scaling: rope_type {kind!r} needs positive finite {', '.join(bad)}, got "
+                             f"{self.rope_scaling}")
         w = self.sliding_window
         if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
             raise ValueError(f"sliding_window must be None or a positive int, got {w!r}")
@@ -157,6 +163,17 @@ def _model_type(d, source):
     return mt
 
 
+# the numbers each RoPE scaling needs (positive and finite)
+ROPE_NEEDS = {"linear": ("factor",),
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
+def _bad_rope_numbers(kind, rope):
+    """The settings rope_type `kind` needs that `rope` lacks or holds as no positive finite number."""
+    return [k for k in ROPE_NEEDS.get(kind, ())
+            if not (_number(rope.get(k)) and math.isfinite(rope[k]) and rope[k] > 0)]
+
+
 def _rope(d, source):
     for key in ("rope_parameters", "rope_scaling"):
         if d.get(key) is not None and not isinstance(d[key], dict):
@@ -174,13 +191,11 @@ def _rope(d, source):
     partial = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
         raise ValueError(f"{source}: partial_rotary_factor {partial} (RoPE on part of each head) is not supported")
-    need = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
-                                              "original_max_position_embeddings")}.get(kind, ())
-    lacking = [k for k in need if not _number(rope.get(k))]
+    lacking = [k for k in ROPE_NEEDS.get(kind, ()) if not _number(rope.get(k))]
     if lacking:
         raise ValueError(f"{source}: rope_type {kind!r} needs numeric {', '.join(lacking)} in rope_scaling / "
                          "rope_parameters")
-    bad = [f"{k}={rope[k]!r}" for k in need if not (math.isfinite(rope[k]) and rope[k] > 0)]
+    bad = [f"{k}={rope[k]!r}" for k in _bad_rope_numbers(kind, rope)]
     if bad:
         raise ValueError(f"{source}: rope_type {kind!r} needs positive finite {', '.join(bad).replace('=', ', got ')}")
     if not (_number(theta) and math.isfinite(theta) and theta > 0):

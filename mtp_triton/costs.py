@@ -11,11 +11,18 @@ MTP-on-NPU engineering report (BM1684), made concrete.
 linearly in between; the table is cached in $MTP_TRITON_CACHE (default ~/.cache/mtp-triton)/step_costs.json, one
 entry per (CPU or GPU, threads, torch, dtype, model shape, kernels, batch, and the package code: a changed engine
 costs otherwise), so only a machine's first run with a given version of the code pays the few seconds of measuring.
-Delete the file (or an entry) to measure again.
+Delete the file (or an entry) to measure again. An entry that no measurement could have produced (sizes that are not
+increasing ints from 1 up to MAX_SIZE, times that are not finite and positive, or c(T) / c(1) outside
+[MIN_RATIO, MAX_RATIO T] = [0.25, 1.5 T]: one forward of T nodes costs no more than T forwards of one, give or
+take noise, and not much less than one) is
+measured again and replaced, so one damaged file cannot switch speculation off for good. Where the cache cannot be
+written, the table is kept for the process (measured once, with a warning), not measured again at every call.
 """
 import functools
 import json
+import math
 import os
+import warnings
 
 import torch
 
@@ -27,6 +34,8 @@ from .tree import Tree
 from .version import package_hash
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)          # T measured (plus the candidate tree's own size); others interpolated
+MAX_SIZE, MIN_RATIO, MAX_RATIO = 4096, 0.25, 1.5    # what a stored table may hold (module docstring)
+_UNCACHED = {}                            # (path, key) -> StepCosts measured where the cache cannot be written
 
 
 def cache_file():
@@ -57,10 +66,14 @@ class StepCosts:
     """c(T) at measured sizes: `seconds(T)` (linear in between) and `ratios(T)` = c(1 .. T) / c(1)."""
 
     def __init__(self, sizes, seconds, source="measured"):
-        if list(sizes) != sorted(set(sizes)) or sizes[0] != 1 or len(sizes) != len(seconds):
-            raise ValueError(f"StepCosts: sizes must start at 1 and increase, one time each; got {sizes}, {seconds}")
-        if not all(s > 0 for s in seconds):
-            raise ValueError(f"StepCosts: times must be positive, got {seconds}")
+        sizes, seconds = list(sizes), list(seconds)
+        if (not sizes or any(isinstance(n, bool) or not isinstance(n, int) for n in sizes) or sizes != sorted(set(sizes))
+                or sizes[0] != 1 or sizes[-1] > MAX_SIZE or len(sizes) != len(seconds)):
+            raise ValueError(f"StepCosts: sizes must be ints from 1 up to {MAX_SIZE}, increasing, one time each; got "
+                             f"{sizes}, {seconds}")
+        if any(isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0
+               for x in seconds):
+            raise ValueError(f"StepCosts: times must be finite positive seconds, got {seconds}")
         self.sizes, self.times, self.source = list(sizes), list(seconds), source
 
     def seconds(self, T):
@@ -113,9 +126,14 @@ def step_costs(model, max_nodes, kernels="auto", batch=1, path=None):
     entry = _read(path).get(key)
     try:
         if entry and entry["sizes"][-1] >= max_nodes:
-            return StepCosts(entry["sizes"], entry["seconds"], f"cached in {path}")
+            stored = StepCosts(entry["sizes"], entry["seconds"], f"cached in {path}")
+            if all(MIN_RATIO <= x / stored.times[0] <= MAX_RATIO * n for n, x in zip(stored.sizes, stored.times)):
+                return stored
     except (KeyError, TypeError, ValueError, IndexError):
-        pass                  # a malformed entry: measured again below
+        pass                  # a malformed or implausible entry: measured again below, and replaced
+    kept = _UNCACHED.get((path, key))
+    if kept is not None and kept.sizes[-1] >= max_nodes:
+        return kept
     sizes = sorted({n for n in SIZES if n < max_nodes} | {max_nodes})
     seconds = tuning.step_cost(model, [Tree.chain(n - 1) for n in sizes], batch=batch, kernels=kernels)
     costs = StepCosts(sizes, seconds, f"measured now, cached in {path}")
@@ -124,6 +142,9 @@ def step_costs(model, max_nodes, kernels="auto", batch=1, path=None):
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         write_json(path, table)
-    except OSError:
-        costs.source = "measured now (not cached: cannot write " + path + ")"
+    except OSError as e:
+        costs.source = f"measured once in this process (not cached: cannot write {path})"
+        _UNCACHED[(path, key)] = costs
+        warnings.warn(f"step costs: cannot write {path} ({e.strerror or e}); the measured table is kept for this "
+                      "process only. Set MTP_TRITON_CACHE to a writable folder to keep it.", stacklevel=2)
     return costs

@@ -109,6 +109,9 @@ def generate(model, prompts, max_new_tokens, *, drafter=None, heads=None, mtp=Tr
     ops = _kernels(model, kernels, cuda_graph)
     drafter = _drafter(drafter, heads, mtp, model, ops)
     trees = drafter.trees(tree, dev)                # the candidate tree cut per step, or the drafter draws its own
+    if trees.budget > model.config.max_position_embeddings:
+        raise ValueError(f"a step of up to {trees.budget} nodes (the {type(drafter).__name__}'s tree) is more than the "
+                         f"model's context length {model.config.max_position_embeddings}: choose a smaller tree")
     if cuda_graph and not trees.fixed:
         raise ValueError(f"cuda_graph=True needs a fixed tree per step; {type(drafter).__name__} draws a dynamic one")
     rec = StatsRecorder(dev, B)

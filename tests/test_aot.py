@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from cli_helpers import hang_guard
 from mtp_lab.aot import report
 from mtp_lab.aot.cubin import count_sass_ops, issue_cycles, parse_ptxas_log, parse_res_usage, sass_structure
 from mtp_lab.aot.driver import TensorInfo
@@ -39,7 +40,7 @@ def _env_without_interpreter():
 def quick_audit(tmp_path_factory):
     out = tmp_path_factory.mktemp("aot")
     proc = subprocess.run([sys.executable, "-m", "mtp_lab", "aot", "--quick", "--out", str(out)],
-                          cwd=ROOT, env=_env_without_interpreter(), capture_output=True, text=True, timeout=600)
+                          cwd=ROOT, env=_env_without_interpreter(), capture_output=True, text=True, timeout=hang_guard(600))
     with open(out / "aot.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     return proc, rows, (out / "aot.md").read_text()
@@ -295,6 +296,6 @@ def test_baseline_section_compares_variants_on_common_calls():
 def test_worker_refuses_the_interpreter(tmp_path):
     env = {**_env_without_interpreter(), "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, "-m", "mtp_lab.aot.worker", "--targets", "sm_90", "--rows",
-                           str(tmp_path / "r.json")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+                           str(tmp_path / "r.json")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=hang_guard(300))
     assert proc.returncode == 2 and "TRITON_INTERPRET" in proc.stderr
     assert not (tmp_path / "r.json").exists()

@@ -55,3 +55,29 @@ def test_a_floating_token_map_is_refused(saved, tmp_path):
     path = _copy(saved, tmp_path, tensors=lambda sd: {**sd, "token_map": sd["token_map"].float()})
     with pytest.raises(ValueError, match=r"\['token_map'\] have the wrong dtype"):
         load_module(path)
+
+
+@pytest.mark.parametrize("rope, words", [
+    ({"rope_type": "linear"}, "needs positive finite factor"),                 # no factor: a KeyError at generate
+    ({"rope_type": "linear", "factor": -2}, "needs positive finite factor"),   # accepted before
+    ({"rope_type": "llama3", "factor": 8.0}, "low_freq_factor"),
+    ([1, 2], "rope_scaling must be an object"),
+])
+def test_module_json_rope_scaling_is_checked_when_it_loads(saved, tmp_path, rope, words):
+    """module.json's config goes through the same RoPE checks as a checkpoint's config.json, when it loads."""
+    path = _copy(saved, tmp_path, meta=lambda m: {**m, "config": {**m["config"], "rope_scaling": rope}})
+    with pytest.raises(ValueError, match=f"module.json: config: .*{words}"):
+        load_module(path)
+
+
+def test_a_tree_larger_than_the_context_is_refused_before_any_work(monkeypatch):
+    """with_draft(nodes=2100) on a 2048-context model failed after a minute of measuring step costs with a RuntimeError
+    from torch.arange; a fixed tree of 99,999 nodes tried to allocate 640 GB. Both are refused at once."""
+    import mtp_triton.tuning as tuning
+    monkeypatch.setattr(tuning, "step_cost", lambda *a, **k: pytest.fail("step costs measured before the refusal"))
+    model = mt.LlamaEngine.from_hf(make_hf("gqa-hd16-v203-untied-L2"))
+    ctx = model.config.max_position_embeddings
+    with pytest.raises(ValueError, match="more than the model's context length"):
+        mt.generate(model, [[1, 2, 3]], 4, drafter=MTPModule.from_target(model).with_draft(nodes=ctx + 1))
+    with pytest.raises(ValueError, match="more than the model's context length"):
+        mt.generate(model, [[1, 2, 3]], 4, drafter=mt.init_heads(model, num_heads=2), tree=f"width-{ctx}")

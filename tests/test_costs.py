@@ -23,7 +23,8 @@ def test_step_costs_interpolate_and_refuse_bad_tables():
     assert c.seconds(50) == 0.20                                          # clamped past the last size
     assert c.ratios(4).tolist() == pytest.approx([1.0, 0.8, 1.0, 1.2])
     assert "2:0.80" in c.describe()
-    for sizes, secs in (([2, 4], [1, 1]), ([1, 4, 2], [1, 1, 1]), ([1, 2], [1.0]), ([1, 2], [0.1, 0.0])):
+    for sizes, secs in (([2, 4], [1, 1]), ([1, 4, 2], [1, 1, 1]), ([1, 2], [1.0]), ([1, 2], [0.1, 0.0]),
+                        ([1, 2], [0.1, float("inf")]), ([1, 2.0], [1, 1]), ([True, 2], [1, 1]), ([1, 2], [1, True])):
         with pytest.raises(ValueError, match="StepCosts"):
             StepCosts(sizes, secs)
 
@@ -48,6 +49,46 @@ def test_step_costs_are_measured_once_then_read_from_the_cache(case, tmp_path, m
     assert len(calls) == 3 and json.load(open(path))                      # ... and the file rewritten whole
     monkeypatch.setattr(torch, "get_num_threads", lambda: 99)            # another machine setting: its own entry
     assert costs.machine_key(model, "torch", 1) not in json.load(open(path))
+
+
+@pytest.mark.parametrize("sizes, secs", [
+    ([1, 2, 32], [0.01, 0.01, float("inf")]),             # Infinity seconds
+    ([1, 2, 32], [0.01, 0.012, 0.5]),                      # c(32) / c(1) = 50
+    ([1, 2.0, 4], [0.01, 0.01, 0.01]),                     # a float size
+    ([True, 2, 4], [0.01, 0.01, 0.01]),                    # a bool for a size
+    ([1, 2, 10 ** 12], [0.01, 0.01, 0.01]),                # an absurd size
+    ([1, 2], [0.01, True]),                                # a bool for seconds
+])
+def test_an_implausible_stored_table_is_measured_again_and_replaced(case, tmp_path, monkeypatch, sizes, secs):
+    """A damaged or hand-made entry in the cache file (issue: 'cost tables without bounds' switched speculation off
+    until the file was deleted) is refused, measured again and overwritten."""
+    model = case[0]
+    path = str(tmp_path / "step_costs.json")
+    key = costs.machine_key(model, mt.ops.get_ops("auto", model.device).kind, 1)
+    with open(path, "w") as f:
+        json.dump({key: dict(sizes=sizes, seconds=secs)}, f)
+    import mtp_triton.tuning as tuning
+    calls = []
+    real = tuning.step_cost
+    monkeypatch.setattr(tuning, "step_cost", lambda m, trees, **kw: calls.append(1) or real(m, trees, reps=1, **kw))
+    c = step_costs(model, 8, path=path)
+    assert calls == [1] and "measured now" in c.source
+    assert json.load(open(path))[key]["sizes"] == [1, 2, 4, 8]
+
+
+def test_an_unwritable_cache_is_measured_once_per_process_with_a_warning(case, tmp_path, monkeypatch):
+    model = case[0]
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    path = str(blocker / "step_costs.json")                                # its folder cannot be made
+    import mtp_triton.tuning as tuning
+    calls = []
+    real = tuning.step_cost
+    monkeypatch.setattr(tuning, "step_cost", lambda m, trees, **kw: calls.append(1) or real(m, trees, reps=1, **kw))
+    with pytest.warns(UserWarning, match="cannot write"):
+        first = step_costs(model, 8, path=path)
+    again = step_costs(model, 8, path=path)
+    assert calls == [1] and again is first and "not cached" in first.source
 
 
 def _pruner(times):

@@ -45,12 +45,12 @@ def test_a_torn_row_is_dropped_when_the_header_grows_too(tmp_path, capsys):
     assert [r["i"] for r in read_csv(path)] == ["0", "1", "9"] and "dropped 1 torn row" in capsys.readouterr().err
 
 
-def test_whole_rows_without_a_final_line_end_are_kept(tmp_path):
-    """Another tool may omit the last line end: a row with every field is kept (only a cut inside the very last
-    field looks the same, and that row's other fields are whole)."""
+def test_a_last_row_without_a_line_end_is_torn(tmp_path):
+    """append_rows ends every row with a line end, so a last row without one was cut mid-write, even when it still
+    has every field (a cut inside its last field: "b" of "bc"): it is left out and counted as torn."""
     path = tmp_path / "r.csv"
     path.write_bytes(b"i,name\r\n0,a\r\n\r\n1,b")
-    assert records.read_whole_rows(path) == ([dict(i="0", name="a"), dict(i="1", name="b")], 0)
+    assert records.read_whole_rows(path) == ([dict(i="0", name="a")], 1)
 
 
 def test_resume_rows_reports_the_torn_rows(tmp_path):
@@ -105,3 +105,13 @@ def test_git_commit_names_this_checkout_or_a_declared_commit(monkeypatch):
     monkeypatch.setenv("MTP_TRITON_COMMIT", "06fede6")                  # a copy whose .git is not its own
     assert records.git_commit() == "06fede6 (declared)"
     assert records.env_info()["commit"] == "06fede6 (declared)"
+
+
+def test_a_child_process_limit_guards_a_hang_not_a_slow_machine(monkeypatch):
+    """The subprocess limits of the CLI, audit and GPU-script tests are hang guards scaled for slow or shared machines
+    (a suite run 8x slower than usual failed two tests on their own clocks before)."""
+    from cli_helpers import hang_guard
+    monkeypatch.delenv("MTP_TEST_TIME_SCALE", raising=False)
+    assert hang_guard(300) == 1200
+    monkeypatch.setenv("MTP_TEST_TIME_SCALE", "10")
+    assert hang_guard(600) == 6000

@@ -11,6 +11,8 @@ import subprocess
 import sys
 
 import pytest
+
+from cli_helpers import hang_guard
 import torch
 
 import mtp_triton as mt
@@ -333,7 +335,7 @@ def test_markdown_renders_gpu_style_rows():
 def test_gpu_check_dry_run(tmp_path):
     env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable, OMP_NUM_THREADS="1")
     p = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=hang_guard(300))
     log = (tmp_path / "gpu_check.log").read_text()
     assert p.returncode == 0, log[-3000:]
     assert "SUMMARY: all stages passed" in log and "DRY RUN" in log

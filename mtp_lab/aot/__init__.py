@@ -90,7 +90,10 @@ def main(argv=None):
     if a.baseline:
         if not os.path.exists(a.baseline):
             ap.error(f"--baseline {a.baseline}: no such file")
-        baseline = report.read_csv(a.baseline)
+        try:
+            baseline = report.read_csv(a.baseline)     # before compiling: a CSV that is not an audit fails now
+        except ValueError as e:
+            ap.error(str(e))
     targets = list(ARCHS) if a.targets == "auto" else a.targets.split(",")
     unknown = [t for t in targets if t not in ARCHS]
     if unknown:

@@ -107,9 +107,20 @@ def write_csv(path, rows, env):
     write_bytes(path, buf.getvalue().encode("utf-8"))
 
 
+# the columns a --baseline CSV needs (what baseline_section reads); an older audit may lack the newer others
+BASELINE_COLUMNS = ["target", "launcher", "case", "kernel", "commit", "triton", "timestamp"]
+
+
 def read_csv(path):
-    """An earlier audit's aot.csv -> (rows, environment stamp of its first row)."""
+    """An earlier audit's aot.csv -> (rows, environment stamp of its first row). A CSV that is not an audit (no
+    rows, or without the BASELINE_COLUMNS) is a ValueError naming --baseline, the file and the missing columns."""
     rows = read_rows(path)
+    if not rows:
+        raise ValueError(f"--baseline {path}: no rows; give the aot.csv of an earlier `python -m mtp_lab aot` run")
+    missing = [c for c in BASELINE_COLUMNS if c not in rows[0]]
+    if missing:
+        raise ValueError(f"--baseline {path}: not an audit CSV, it lacks the column(s) {', '.join(missing)}; give the "
+                         "aot.csv of an earlier `python -m mtp_lab aot` run")
     return rows, {k: rows[0].get(k, "") for k in ENV_COLUMNS} if rows else {}
 
 

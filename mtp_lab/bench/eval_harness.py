@@ -22,7 +22,7 @@ import uuid
 import torch
 
 from mtp_triton.generate import RuntimeConfig, generate
-from ..bundle import generate_tree, pick_tree, tree_size
+from ..bundle import generate_tree, pick_tree, reproducible_runtime, tree_size
 from mtp_triton.mtp_module import MTPModule
 from ..records import KeptRows, env_info, row_key
 from mtp_triton.tree import PRESETS, Tree
@@ -85,8 +85,8 @@ class Harness:
         self.ctx = model.config.max_position_embeddings
         self.eos = getattr(tok, "eos_token_id", None)
         self.tree = pick_tree(cfg.tree, heads, heads_dir, model, cfg.kernels)
-        rt = {k: v for k, v in (("fallback_threshold", cfg.fallback), ("prune_below", cfg.prune_below)) if v is not None}
-        self.runtime = RuntimeConfig(**rt) if rt else None
+        self.runtime = reproducible_runtime(cfg.temperature, cfg.seed, fallback_threshold=cfg.fallback,
+                                            prune_below=cfg.prune_below)
         self.env = env_info(model.device)
         self.config = config_id(cfg, model, heads)
         self.base = dict(self.env, run_id=uuid.uuid4().hex[:8], config=self.config, tree=cfg.tree,

@@ -80,13 +80,17 @@ def build_parser():
 
 
 def parse_thresholds(text):
-    """'0.05,0.1' -> [0.05, 0.1]; anything else, or a value outside (0, 1], is a ValueError naming --thresholds."""
+    """'0.05,0.1' -> [0.05, 0.1]; anything else, a value outside (0, 1] or one given twice, is a ValueError naming
+    --thresholds."""
     try:
         thresholds = [float(t) for t in text.split(",") if t.strip()]
         for t in thresholds:
             RuntimeConfig(prune_below=t)                                        # refuses values outside (0, 1]
     except ValueError as e:
         raise ValueError(f"--thresholds {text!r}: {e}") from None
+    twice = sorted({f"{t:g}" for t in thresholds if thresholds.count(t) > 1})
+    if twice:                                   # each threshold is one configuration (and one row per prompt)
+        raise ValueError(f"--thresholds {text!r}: {', '.join(twice)} given more than once; list each threshold once")
     return thresholds
 
 

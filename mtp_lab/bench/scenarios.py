@@ -12,6 +12,7 @@ import json
 import os
 
 from ..bundle import ROOT
+from ..records import read_utf8
 
 SCENARIO_DIR = os.path.join(ROOT, "data", "scenarios")
 CHAT_SCENARIO_DIR = os.path.join(ROOT, "data", "scenarios_chat")
@@ -46,14 +47,50 @@ def load_scenarios(names=SCENARIOS, max_prompts=None, folder=SCENARIO_DIR):
     if max_prompts is not None and max_prompts < 1:
         raise ValueError(f"max_prompts must be >= 1 (or None: every item), got {max_prompts}")
     out = {}
-    for name in names or scenario_names(folder):
+    names = names or scenario_names(folder)
+    if not names:
+        raise ValueError(f"scenario folder {folder}: no <set>.jsonl files in it")
+    for name in names:
         path = os.path.join(folder, f"{name}.jsonl")
         if not os.path.exists(path):
             raise ValueError(f"unknown scenario set {name!r} (no {path}); known: {list(scenario_names(folder))}")
-        with open(path, encoding="utf-8") as f:
-            items = [json.loads(line) for line in f if line.strip()]
+        items = read_scenario_items(path)
         out[name] = items[:max_prompts]
     return out
+
+
+def read_scenario_items(path):
+    """The items of one scenario set, each checked: a JSON object with `length`, `max_new_tokens` (an integer >= 1)
+    and either `text` (a string) or `messages` (a list). Anything else, or a set without items, is a ValueError
+    naming path:line and the field."""
+    text = read_utf8(path, "scenario set")
+    items = []
+    for n, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        where = f"scenario set {path}:{n}"
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+        if not isinstance(item, dict):
+            raise ValueError(f"{where}: not a JSON object")
+        missing = [k for k in ("length", "max_new_tokens") if k not in item]
+        if "text" not in item and "messages" not in item:
+            missing.append("text (or messages)")
+        if missing:
+            raise ValueError(f"{where}: no {', '.join(repr(k) for k in missing)} field")
+        m = item["max_new_tokens"]
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ValueError(f"{where}: 'max_new_tokens' must be an integer >= 1, got {m!r}")
+        if "text" in item and not isinstance(item["text"], str):
+            raise ValueError(f"{where}: 'text' is {type(item['text']).__name__}, not a string")
+        if "text" not in item and not isinstance(item["messages"], list):
+            raise ValueError(f"{where}: 'messages' is {type(item['messages']).__name__}, not a list")
+        items.append(item)
+    if not items:
+        raise ValueError(f"scenario set {path}: no items")
+    return items
 
 
 def prompt_ids(tok, item):

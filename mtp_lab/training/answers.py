@@ -41,7 +41,7 @@ def done_keys(path):
     """(id, mode) of the answers in the log `path` (a torn last line left out: that answer is made again)."""
     if not os.path.exists(path):
         return set()
-    return {(r["id"], r["mode"]) for r in read_jsonl(path, "answers file", torn_last="skip")}
+    return {(r["id"], r["mode"]) for r in read_jsonl(path, "answers file", ("id", "mode"), torn_last="skip")}
 
 
 @torch.no_grad()

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from ..cli import add_common, float_in, int_at_least
 from mtp_triton.heads import MTPHeads
 from mtp_triton.loading import load_model, load_tokenizer, transformers_model
-from ..records import read_jsonl, save_torch, write_json
+from ..records import ensure_writable_dir, read_jsonl, load_torch, save_torch, write_json
 from mtp_triton.tree import get_tree
 from .answers import read_prompts, write_answers
 from . import measure, replay
@@ -47,7 +47,7 @@ from .loop import Loop, LoopConfig, Recorder
 
 def read_answers(path, ids=None):
     """The answer rows of `path` (those of prompts in `ids`, if given), in file order."""
-    rows = [r for r in read_jsonl(path, "answers file", torn_last="skip") if ids is None or r["id"] in ids]
+    rows = [r for r in read_jsonl(path, "answers file", ("id", "mode", "prompt_ids", "answer_ids"), torn_last="skip") if ids is None or r["id"] in ids]
     return rows
 
 
@@ -131,6 +131,7 @@ def run(args):
     """The `distill` subcommand: answers -> vocab -> cache -> train -> measure -> choose the tree -> save."""
     torch.set_num_threads(args.threads)
     t0 = time.time()
+    ensure_writable_dir(args.out)               # a bad --out fails now, not after the answers, cache and training
     model = load_model(args.model, device="cpu", dtype=torch.bfloat16)
     tok = load_tokenizer(args.model)
     hf = None
@@ -155,7 +156,7 @@ def run(args):
     rows = read_answers(answers_file, {r["id"] for r in prompts})
     cache_file = os.path.join(args.work, f"cache-v{args.vocab}-k{args.top_k}.pt")
     if os.path.exists(cache_file):              # built before: add the answers it lacks (same draft vocabulary)
-        cache, added = replay.extend_cache(model, torch.load(cache_file, weights_only=False), rows, args.num_heads)
+        cache, added = replay.extend_cache(model, load_torch(cache_file, "cache"), rows, args.num_heads)
         if added:
             save_torch(cache, cache_file)
         token_map = cache["token_map"]

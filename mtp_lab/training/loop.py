@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from mtp_lab.cli import add_common, float_in, int_at_least
-from mtp_lab.records import read_rows, save_torch, write_bytes
+from mtp_lab.records import read_rows, save_torch, load_torch, write_bytes
 
 
 def lr_at(progress, step, base_lr, warmup, min_frac=0.1):
@@ -191,7 +191,7 @@ class Loop:
         """Continue from the checkpoint if there is one. Returns the step it resumed at (0: a fresh start)."""
         if not (self.cfg.checkpoint and os.path.exists(self.cfg.checkpoint)):
             return 0
-        blob = torch.load(self.cfg.checkpoint, weights_only=False)
+        blob = load_torch(self.cfg.checkpoint, "checkpoint")
         if len(blob["params"]) != len(self.params) or any(a.shape != b.shape for a, b in zip(blob["params"],
                                                                                             self.params)):
             raise ValueError(f"{self.cfg.checkpoint} does not match these parameters (another configuration?)")

@@ -28,7 +28,9 @@ from mtp_triton.heads import load_heads
 from mtp_triton.loading import load_model
 from mtp_triton.mtp_module import MTPModule
 from mtp_triton.ops import get_ops
-from ..records import env_info, read_jsonl, save_torch, write_json
+from ..records import ensure_writable_dir, env_info, read_jsonl, load_torch, save_torch, write_json
+
+ANSWER_FIELDS = ("mode", "prompt_ids", "answer_ids")      # what an --answers line needs here
 from .loop import Loop, LoopConfig, Recorder
 
 
@@ -156,16 +158,19 @@ def run(args):
     """The `mtp` subcommand: answers -> cache -> train -> held-back accuracy -> save."""
     torch.set_num_threads(args.threads)
     t0 = time.time()
-    model = load_model(args.model, device="cpu", dtype=torch.bfloat16)
-    os.makedirs(args.work, exist_ok=True)
-    rows = [r for r in read_jsonl(args.answers, "--answers", torn_last="skip") if r["mode"] == "greedy"]
+    # everything that can be checked before the model loads: the answers (each line with its fields) and --out
+    rows = [r for r in read_jsonl(args.answers, "--answers", ANSWER_FIELDS, torn_last="skip")
+            if r["mode"] == "greedy"]
     if not rows:
         raise ValueError(f"--answers {args.answers}: no greedy answers (write them with `train_heads distill` or "
                          f"mtp_lab.training.answers.write_answers)")
+    ensure_writable_dir(args.out)
+    model = load_model(args.model, device="cpu", dtype=torch.bfloat16)
+    os.makedirs(args.work, exist_ok=True)
     token_map = load_heads(args.vocab_from).token_map if args.vocab_from else None
     cache_file = os.path.join(args.work, f"module-cache-{len(rows)}.pt")
     if os.path.exists(cache_file):
-        cache = torch.load(cache_file, weights_only=False)
+        cache = load_torch(cache_file, "cache")
     else:
         cache = build_cache(model, rows, max_len=args.max_len)
         save_torch(cache, cache_file)
