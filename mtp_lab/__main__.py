@@ -5,7 +5,7 @@ import sys
 from .cli import run
 
 COMMANDS = {
-    "demo": ("mtp_lab.demo", "demo", "serial vs MTP on the embedded model (the main job)"),
+    "demo": ("mtp_lab.demo", "demo", "transformers vs our serial loop vs MTP on SmolLM2 (the main job)"),
     "generate": ("mtp_lab.demo", "text_generate", "generate text from a prompt"),
     "eval": ("mtp_lab.bench.evaluate", "main", "the A/B evaluation harness (MTP on vs off)"),
     "tables": ("mtp_lab.bench.tables", "main", "reproduce the published speedup tables"),

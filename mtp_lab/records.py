@@ -1,9 +1,10 @@
 """Records: the stamp every row carries, CSV and JSONL rows, tables, and files written so that nothing is lost.
 
 The base floor for everything that writes results: heads, training records, cards, CSV rows, reports and README
-renders all write through `write_bytes` (temporary file in the same folder, fsync, then one `os.replace`), so an
-interrupted run, a full disk or a file-size limit leaves the previous file byte-identical. `output_lock` refuses a
-second writer on the same output folder. It imports only the standard library and torch.
+renders all write through `write_bytes` (the package's `mtp_triton/files.py`, re-exported here: temporary file in the
+same folder, fsync, then one `os.replace`), so an interrupted run, a full disk or a file-size limit leaves the
+previous file byte-identical. `output_lock` refuses a second writer on the same output folder. Beside the standard
+library and torch it imports only the package's `files` and `ops` (the machine's name).
 """
 import contextlib
 import csv

@@ -1,8 +1,7 @@
 """The compiled CPU step: the decoder layer (`model.layer`) through `torch.compile`'s inductor C++ backend.
 
 Why. On a CPU a small model's decode step is dominated by dispatch, not by arithmetic or memory: SmolLM2-135M's
-eager bf16 step makes ~120 matmul calls (on prepacked weights, near the copy bandwidth) and a few thousand small
-ATen calls (views, copies, norms, RoPE, the batch-invariant attention's gathers), each a few microseconds. Inductor
+eager step makes one matmul call per linear layer (on prepacked weights) and thousands of small ATen calls (views, copies, norms, RoPE, the batch-invariant attention's gathers), each a few microseconds. Inductor
 fuses the element-wise work of a layer into a handful of C++ loops and leaves the matmuls to oneDNN.
 
 What is compiled: one function, `model.layer`, the same for all L layers (its weights are inputs, not constants),
@@ -14,8 +13,8 @@ packed matmul on a weight that is an input). Prefill stays eager (one call per g
 
 Batches and big trees. A batch of several sequences runs through the batch-1 graphs one sequence at a time
 (`forward_tree` does the loop), so a sequence rounds the same in a batch and alone: a graph compiled for B > 1 may
-vectorise or split its loops otherwise than the B = 1 graph (a bf16 batch of 3 once decoded one token of 120
-differently from its serial steps that way). Trees of any node count share one graph for T > 1: the linear layers'
+vectorise or split its loops otherwise than the B = 1 graph, and so round a sequence otherwise than its serial
+steps. Trees of any node count share one graph for T > 1: the linear layers'
 custom op splits rows into invariant.linear's pieces of at most 32 itself, out of the compiler's sight (packed.py).
 The price is that a batch streams the weights once per sequence, not once per step.
 
@@ -27,10 +26,9 @@ absolute positions, not the node count (tests/test_compiled.py).
 Compile time and why the kind is opt-in. `warm_up` compiles the graphs of a generation before its timers start:
 minutes cold for a small model on a small CPU (tens of seconds a graph), and still tens of seconds in a later process
 with inductor's on-disk cache (TORCHINDUCTOR_CACHE_DIR, by default a folder under the system's temp dir), most of it
-dynamo tracing the step again. Whole generations have not run faster than eager's (the README's library-defaults A/B
-records the ratios), and in fp32 the compiled kind also gives up the plain twins for the exact path. A fresh clone's
-demo would spend more on compiling than it saves, so kernels="auto" stays eager on a CPU and "compiled" is asked for
-by name.
+dynamo tracing the step again, and in fp32 the compiled kind gives up the plain twins for the exact path. Whether it
+pays is a measurement (the README's library-defaults A/B records it), so kernels="auto" stays eager on a CPU and
+"compiled" is asked for by name.
 """
 import functools
 import os

@@ -35,7 +35,7 @@ def bf16_draft(hidden, res_weight, res_bias, lm_head, top_k, *, token_map=None, 
     """`fused_draft`'s math in the inputs' own dtype: the bf16 drafting path of a bf16 engine on a CPU.
 
     z_h = x + silu(W_h x + b_h) and logits_h = L_h z_h as bf16 matmuls (fp32 accumulation inside, bf16 results),
-    then the top-k rows by descending logit, ties to the lower row — exactly what `training.replay.head_ranks`
+    then the top-k rows by descending logit, ties to the lower row — exactly what the training's `replay.head_ranks`
     computes, so the training's simulated tau is what this path decodes with. res_weight may also be H row-wise
     functions x -> W_h x and lm_head one z -> L z (`packed.packed_linear`: the same weights prepacked, the same
     bits). The PyTorch twin (`reference.fused_draft`, the Triton kernel's specification) computes in fp32 instead,

@@ -283,7 +283,7 @@ def _read(file):
         except Exception as e:        # a corrupted file makes the unpickler raise nearly anything (IndexError, ...)
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise ValueError(f"load_heads: {file} is not a plain state dict of tensors (torch.load(weights_only="
-                             f"True) refused it: {' '.join(str(first).split()) or type(first).__name__}); the file may be truncated or corrupted, or "
+                             f"True) refused it: {' '.join(str(first).split())}); the file may be truncated or corrupted, or "
                              "hold more than tensors") from None
         if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
             raise ValueError(f"load_heads: {file} must hold a state dict (name -> tensor), got {type(sd).__name__}")

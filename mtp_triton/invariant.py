@@ -11,7 +11,7 @@ attention's business).
 (1) is a property of the machine's matmuls, within limits: on oneDNN CPUs (AVX-512 BF16 and AMX), a bf16 matmul gives
 each output row the same bits whatever the row's position, the number of columns or batch entries, and whatever the
 number of rows from 2 to 32. Outside that range the kernel may change: on some CPUs a 1-row matmul takes another code
-path, and on AMX CPUs oneDNN blocks 33 rows or more differently (576 x 1536 and the 576 x 49152 LM head do). So in
+path, and on AMX CPUs oneDNN may block 33 rows or more differently for some shapes. So in
 this mode every linear layer goes through `linear`, which never hands the matmul more than MATMUL_ROWS = 32 rows at
 once, nor one row alone unless a probe of that layer on the running machine found its 1-row call exact (packed.py).
 On a GPU the rule is stricter: cuBLAS picks its kernel (tile shape, split-K) by the problem's shape, so a 1-row and

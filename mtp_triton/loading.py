@@ -131,7 +131,7 @@ def load_model(path, device=None, dtype=None, *, check_finite=True):
     """Load a checkpoint: a Hugging Face folder (config.json + *.safetensors), a .gguf file or a short name.
 
     dtype None keeps a folder's dtype on a GPU and uses fp32 on CPU for half-precision checkpoints; GGUF files are
-    dequantized to fp32. Why not bf16 on a CPU that has native bf16 (where it is ~1.5x faster here): fp32 is the
+    dequantized to fp32. Why not bf16 on a CPU that has native bf16 (where it is faster): fp32 is the
     dtype in which greedy output matches transformers' default `generate` token for token, and a library should not
     change a user's numbers unasked. Pass dtype=torch.bfloat16 for speed (the demo does; MTP then stays identical
     to serial decoding through the exact mode). Either way an fp32 model drafts in bf16 where the CPU has it

@@ -209,7 +209,8 @@ def load_module(path, device=None, dtype=None, *, check_finite=True):
     try:
         m = MTPModule(cfg, token_map, meta.get("draft"))
     except ValueError as e:
-        raise ValueError(f"load_module: {meta_file}: {e}") from None
+        where = file if str(e).startswith("token_map") else meta_file
+        raise ValueError(f"load_module: {where}: {e}") from None
     expected = m.state_dict()
     bad = sorted(k for k in set(sd) | set(expected) if k not in sd or k not in expected
                  or sd[k].shape != expected[k].shape)
@@ -224,7 +225,7 @@ def load_module(path, device=None, dtype=None, *, check_finite=True):
 
 def load_drafter(path, device=None, dtype=None):
     """The drafter saved at `path`: an MTP module folder (module.json) -> `load_module`, anything else -> MTP heads
-    (`heads.load_heads`: our heads folder or a Medusa checkpoint). Either goes to generate(heads=...)."""
+    (`heads.load_heads`: our heads folder or a Medusa checkpoint). Either goes to generate(drafter=...)."""
     if is_module_folder(path):
         return load_module(path, device, dtype)
     if os.path.exists(os.path.join(path, MODULE_FILE)):

@@ -237,3 +237,21 @@ def test_sampling_seed_reproducible(model):
     a = mt.generate(model, PROMPTS, 12, heads=mt.init_heads(model, 4), **kw)
     b = mt.generate(model, PROMPTS, 12, heads=mt.init_heads(model, 4), **kw)
     assert a.tokens == b.tokens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("batch", [1, 2, 3, 4, 5, 6])
+@pytest.mark.parametrize("drafter", ["heads", "oracle"])
+def test_greedy_batches_of_mixed_lengths_are_serial_for_every_drafter(batch, dtype, drafter):
+    """Batch 1-6, prompts of different lengths, fp32 and bf16 (the exact path), one-token cache blocks: the heads' and
+    the synthetic oracle's MTP output is the serial output (the MTP module's: test_mtp_module's union test)."""
+    m = mt.LlamaEngine.from_hf(make_hf("gqa-hd16-v203-untied-L2"), dtype=dtype)
+    prompts = (PROMPTS + [[100, 3, 64], [150, 151, 2, 9, 44, 45, 46], [199]])[:batch]
+    serial = mt.generate(m, prompts, 10, mtp=False, block_size=1).tokens
+    if drafter == "heads":
+        d = mt.init_heads(m, num_heads=3, seed=1)
+        res = mt.generate(m, prompts, 10, drafter=d, tree="medusa-16", block_size=1)
+    else:
+        d = OracleDrafter(serial, [0.9, 0.6, 0.3], m.config.vocab_size, seed=2)
+        res = mt.generate(m, prompts, 10, drafter=d, tree="chain-3", block_size=1)
+    assert res.tokens == serial

@@ -136,7 +136,7 @@ def test_dynamic_tree_is_a_subtree_within_budget(model):
 
 @torch.no_grad()
 def test_serial_steps_commit_later_as_one_chain(model):
-    """Steps at depth 0 (cold start, fallback) draft nothing and commit nothing; the next drafting step commits their
+    """Steps at depth 0 (fallback) draft nothing and commit nothing; the next drafting step commits their
     pairs joined per sequence into one chain, which leaves the module's cache and output as committing step by step
     does (rows may drop out in between: here sequence 1 skips the second step)."""
     mod = random_module(model, depth=3, top_k=4, beam=2, nodes=9)

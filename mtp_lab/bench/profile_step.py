@@ -39,9 +39,9 @@ def timed_attention(num_layers, device):
     under "attention" (`ops.tree_attention`, or the batch-invariant attention of the engine's exact mode).
 
     Implementation: generate() gets its kernels from `mtp_triton.generate.get_ops`; this swaps in a wrapper whose
-    tree_attention is timed, skipping the first `num_layers` calls of each generate() (the prefill forward). In
-    bf16/fp16 on a CPU the engine's exact mode calls `mtp_triton.invariant.attention` directly (decode steps only):
-    that is timed too.
+    tree_attention is timed, skipping the first `num_layers` calls of each generate() (the prefill forward); the
+    eager CPU path, plain and exact, goes through it. The compiled kind calls the exact twin's `attention` directly
+    (`mtp_triton.model.attention`, decode steps only): that is timed too.
     """
     gen_mod, inv_mod = importlib.import_module("mtp_triton.generate"), importlib.import_module("mtp_triton.model")
     real_ops, real_inv = gen_mod.get_ops, inv_mod.attention

@@ -1,4 +1,5 @@
-"""The Triton kernels, one copyable file per family (each depends only on torch + triton).
+"""The Triton kernels, one copyable pair per family: `<family>.py` (torch + triton) and its PyTorch twin beside it,
+`<family>_ref.py` (torch only: the input checks and the specification).
 
 Importing this package imports no kernel and changes no environment variable. On a machine without CUDA, Triton
 can only run kernels in its interpreter (numpy on the CPU), and Triton decides that when `@triton.jit` runs, i.e.

@@ -230,7 +230,7 @@ def plan(block_table, cache_lens, tree_mask, block_size, window=None, min_chunks
     # code takes 1, and a tree step then gathers one tail chunk per node instead of two. Where a chunk's keys come
     # from does not change its partial sums, and chunks past a node's keys add exact zeros (see above), so neither
     # choice moves a bit; hence too a step of one node (serial decoding) takes every key through the tail: one
-    # gather and one chain of calls, not two (~1/3 less time at T = 1).
+    # gather and one chain of calls, not two.
     start = (n // CHUNK) * CHUNK
     start = torch.where((start >= min_chunks * CHUNK) & (T > 1), start, 0)
     n_shared = int(start.max())
@@ -290,7 +290,7 @@ def chunk_sum(e):
     """e [..., C] -> [...]: sum over the last dim (a power of two) in one fixed pairwise order, halving:
     e[..., :C/2] + e[..., C/2:], then again. Element-wise adds fix the order, so a row's sum has the same bits in
     every call and in compiled code (`sum(-1)` leaves the order to the kernel, which may vectorize a reduction one
-    way for one shape and another way for another: seen with torch.compile on 1 vs 2 tree nodes)."""
+    way for one shape and another way for another, as torch.compile may)."""
     while e.shape[-1] > 1:
         half = e.shape[-1] // 2
         e = e[..., :half] + e[..., half:]
@@ -346,7 +346,7 @@ def attention(q, k_cache, v_cache, k_tree, v_tree, p, sm_scale=None, finite=Fals
         e.insert(0, e_s.view(Hkv, B, T, G, S // C, C))
     cat = lambda parts: parts[0] if len(parts) == 1 else torch.cat(parts, 4)       # one step's node: no shared part
     l = chunk_sum(cat(e).float())                                                   # [Hkv, B, T, G, Sc + Wc]
-    # sequential, in position order (cast first: cumsum(..., dtype=float64) of bf16 ran up to 8x slower here)
+    # sequential, in position order (cast first: cumsum(..., dtype=float64) straight from bf16 is a slow path)
     o = torch.cumsum(cat(o).double(), 4)[..., -1, :]
     l = torch.cumsum(l.double(), 4)[..., -1]
     out = (o / l[..., None]).to(dt)                                                # [Hkv, B, T, G, Dh]
