@@ -42,10 +42,12 @@ def test_append_with_a_known_header_only_adds_bytes(tmp_path):
 
 
 def test_append_rows_to_a_file_without_a_final_newline_rewrites_it(tmp_path):
+    """The writer ends every row with a line end, so a last row without one was cut mid-write (a torn row, whatever
+    its field count): the rewrite drops it and keeps every whole row."""
     path = tmp_path / "r.csv"
-    path.write_bytes(b"i,name\r\n0,a")                                      # e.g. written by another tool
-    common.append_rows(path, [dict(i=1, name="b")])
-    assert read_csv(path) == [dict(i="0", name="a"), dict(i="1", name="b")]
+    path.write_bytes(b"i,name\r\n0,a\r\n1,b")                              # the row "1,b" lost its line end
+    common.append_rows(path, [dict(i=2, name="c")])
+    assert read_csv(path) == [dict(i="0", name="a"), dict(i="2", name="c")]
 
 
 # ---- append_rows: interrupted and failed writes ----
