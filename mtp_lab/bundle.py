@@ -10,6 +10,7 @@ import sys
 import torch
 
 from mtp_triton.loading import load_model, load_tokenizer
+from mtp_triton.ops import native_bf16
 from mtp_triton.mtp_module import MTPModule, is_module_folder, load_drafter
 from mtp_triton.policy import RuntimeConfig
 from mtp_triton.tree import PRESETS, Tree, get_tree, is_tree_name
@@ -55,6 +56,23 @@ def heads_dir_for(model, drafter="medusa"):
         raise ValueError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
     table, sub = (MODULES, "mtp") if drafter == "mtp" else (HEADS, "heads")
     return table.get(model, os.path.join(model, sub))
+
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def command_dtype(arg, model, device=None):
+    """The commands' dtype: --dtype's if given; else for SmolLM2 on a CPU bf16 where the CPU multiplies bf16 natively
+    (AVX512-BF16 or AMX: half the bytes per step, and the engine's exact mode keeps MTP identical to serial) and fp32
+    where it does not (emulated bf16 makes every step several times slower there); else the checkpoint's (None).
+    -> (dtype or None, why: a few words for the first line a command prints)."""
+    if arg is not None:
+        return DTYPES[arg], f"--dtype {arg}"
+    if model != SMOLLM2 or (device or "cpu") != "cpu" or torch.cuda.is_available():
+        return None, "the checkpoint's"
+    if native_bf16():
+        return torch.bfloat16, "this CPU multiplies bf16 natively"
+    return torch.float32, "this CPU has no native bf16 (AVX512-BF16/AMX): fp32 is faster here; --dtype bf16 to override"
 
 
 def load_bundle(model=SMOLLM2, heads=None, device=None, dtype=None, drafter="medusa"):

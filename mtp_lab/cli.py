@@ -103,8 +103,9 @@ def _common(names):
         "kernels": dict(default="auto", choices=KINDS, help="the ops a step runs: triton (the kernels), torch (their "
                         "eager twins), compiled (the twins, torch.compile'd on a CPU); default %(default)s: triton on "
                         "a CUDA device, torch elsewhere"),
-        "dtype": dict(default=None, choices=("bf16", "fp32"), help="the model's dtype (default: bf16 for SmolLM2 on "
-                      "a CPU, the engine's exact mode; else the checkpoint's)"),
+        "dtype": dict(default=None, choices=("bf16", "fp32"), help="the model's dtype (default: for SmolLM2 on a CPU, "
+                      "bf16 where the CPU multiplies it natively, the engine's exact mode, else fp32; else the "
+                      "checkpoint's)"),
         "device": dict(default=None, help="torch device (default: cuda where there is one, else cpu)"),
         "threads": dict(type=int_at_least(1), default=2, help="torch CPU threads (default %(default)s)"),
         "seed": dict(type=int_at_least(0), default=0, help="random seed (default %(default)s)"),

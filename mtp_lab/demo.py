@@ -25,7 +25,7 @@ from .cli import add_common, command_parser, error
 from mtp_triton.generate import RuntimeConfig, generate
 from mtp_triton.mtp_module import MTPModule
 from .records import append_rows, ensure_writable_dir, env_info
-from .bundle import (CHAT_PROMPTS, PROMPTS, SMOLLM2, check_tree_name, cli_drafter, reproducible_runtime,
+from .bundle import (CHAT_PROMPTS, command_dtype, PROMPTS, SMOLLM2, check_tree_name, cli_drafter, reproducible_runtime,
                      describe_drafter, encode, generate_tree, heads_dir_for, load_bundle, pick_prompts, pick_tree,
                      read_prompts, tree_size)
 from mtp_triton.sampling import check_seed, check_temperature
@@ -69,7 +69,7 @@ def demo(argv=None):
         check_tree_name(a.tree)
         given = read_prompts(a.prompts) if a.prompts else None
         ensure_writable_dir(a.out)
-        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[a.dtype]
+        dtype, why = command_dtype(a.dtype, a.model, a.device)
         a.drafter = cli_drafter(a.model, a.drafter, a.heads)
         model, heads, tok = load_bundle(a.model, a.heads, a.device, dtype, a.drafter)
         heads_dir = a.heads or heads_dir_for(a.model, a.drafter)
@@ -80,7 +80,7 @@ def demo(argv=None):
     except (OSError, ValueError, RuntimeError) as e:
         return error(e)
     eos = tok.eos_token_id
-    print(f"model {a.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f} M params, {model.dtype}, "
+    print(f"model {a.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f} M params, {str(model.dtype)[6:]} ({why}), "
           f"{torch.get_num_threads()} threads, kernels {a.kernels}; {describe_drafter(heads, tree)}"
           + (f", pruned below path probability {a.prune_below:g}" if runtime else ""))
     hf = hf_twin(model)                                   # transformers' LlamaForCausalLM on the same weights
@@ -180,7 +180,7 @@ def text_generate(argv=None):
     except UnicodeEncodeError:
         return error("--prompt is not valid UTF-8 text")
     try:
-        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[a.dtype]
+        dtype = command_dtype(a.dtype, a.model, a.device)[0]
         runtime = reproducible_runtime(a.temperature, a.seed, prune_below=a.prune_below)
         check_temperature(a.temperature, a.top_p)
         check_seed(a.seed)

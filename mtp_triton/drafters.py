@@ -213,7 +213,7 @@ class HeadsDrafter(Drafter):
     def _draft(self, x, w, b, lm, k, probs):
         if self.fused_draft is bf16_draft:
             return bf16_draft(x.to(b.dtype), w, b, lm, k, token_map=self.token_map, logprobs=probs)
-        return self.fused_draft(x, w, b, lm, k, token_map=self.token_map)
+        return self.fused_draft(x, w, b, lm, k, token_map=self.token_map, check_values=False)   # checked on load
 
     def _plan(self, tree, device):
         """Per depth d = 1 .. max_depth: (nodes at d [n], their parents at d - 1 without repeats [p], each node's slot in

@@ -67,7 +67,7 @@ class ModuleDrafter(Drafter):
         self.lm = (packed_linear(lm) or lm) if self.bf16 else lm
         self.token_map = None if module.token_map is None else module.token_map.to(dev)
         self.top_k = min(self.top_k, lm.shape[0])           # never more candidates than the draft vocabulary has
-        self.ops, self.check = ops, dev.type != "cuda"
+        self.ops = ops                                      # its inputs are built here: no value checks per step
         self.cache = self.f = None
         self.pending = []                                   # (rows, h, nxt, n) of each step not yet committed
         self._tree_cache = {}                               # rank paths -> Tree (`_tree`)
@@ -147,7 +147,7 @@ class ModuleDrafter(Drafter):
                                                    self.cache, rows, self.ops, check_values=False, exact=False,
                                                    embeds=u)
         self.ops.kv_append(self.cache.k, self.cache.v, self.cache.block_table[rows], self.cache.cache_lens[rows],
-                           k_new, v_new, torch.where(real, idx, -1), n - 1, check_values=self.check)
+                           k_new, v_new, torch.where(real, idx, -1), n - 1, check_values=False)
         self.cache.cache_lens[rows] += n.to(torch.int32)
         self.f[rows] = g[torch.arange(A, device=dev), n - 1]
 
@@ -160,7 +160,7 @@ class ModuleDrafter(Drafter):
             return (rows if self.token_map is None else self.token_map[rows]), logp
         else:
             ids, logp = self.ops.fused_draft(x.contiguous(), None, None, self.lm, k, token_map=self.token_map,
-                                             check_values=self.check)
+                                             check_values=False)
         return ids[:, 0], logp[:, 0].float()
 
     # ---- the dynamic tree ----------------------------------------------------------------------------

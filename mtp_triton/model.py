@@ -25,7 +25,7 @@ from torch import nn
 
 from . import invariant
 from .config import ROPE_TYPES, ModelConfig  # noqa: F401  (ModelConfig: public here too)
-from .kernels.tree_attention_ref import Plan, attention, plan
+from .kernels.tree_attention_ref import Keys, Plan, attention, check_tree_values, plain_attention, plain_plan, plan
 from .packed import packed_layers
 
 def rope_inv_freq(cfg):
@@ -106,14 +106,13 @@ def _plain(layer, x):
 
 @dataclass
 class Paged:
-    """Attention through the ops' `tree_attention` over the paged cache (every kind but the compiled one). exact: its
-    batch-invariant variant (exact=True), and linear layers through `invariant.linear`."""
+    """Attention through the ops' `tree_attention` over the paged cache (the Triton kinds: the kernels plan their own
+    launch). exact: its batch-invariant variant (exact=True), and linear layers through `invariant.linear`."""
     ops: object
     block_table: torch.Tensor       # [B, max_blocks] int32
     cache_lens: torch.Tensor        # [B] int32
     tree_mask: torch.Tensor         # [T, T] or [B, T, T] bool
     window: int | None              # this layer's sliding window
-    check_values: bool
     exact: bool = False
 
 
@@ -124,16 +123,16 @@ def layer(x, cos, sin, blk, packed, k_cache, v_cache, k_tree, v_tree, attend):
 
     cos, sin [B, T, 1, Dh]; blk: the layer's Block (norms; its nn.Linear layers when packed is None); packed: its
     (qkv, o, gate_up, down) packed linears, or None; k_cache, v_cache [NB, BS, Hkv, Dh]: this layer's cache.
-    attend: a `Paged` (the ops' tree_attention; `Paged.exact`: its batch-invariant variant, and linear layers through
-    `invariant.linear`, which rounds a row alike in every call) or, for the compiled kind, the step's exact `Plan`
-    (the twin's exact attention on a plan built outside the compiled graph, and `invariant.linear` too).
+    attend: how the layer attends, laid out once per step by `forward_tree` for all layers: a `Keys` (the plain twin,
+    `plain_attention`), a `Plan` (the exact twin, `attention`, with linear layers and norms through `invariant`, whose
+    rows round alike in every call) or a `Paged` (the ops' `tree_attention`: the Triton kernels).
         h = RMSNorm(x);  q, k, v = h Wq, h Wk, h Wv;  q, k = RoPE(q), RoPE(k);  x = x + Attn(q, K, V) Wo
         h = RMSNorm(x);  x = x + (silu(h Wg) * h Wu) Wd
     """
     B, T, _ = x.shape
     Hkv, Dh = k_cache.shape[-2:]
     Hq = blk.q_proj.out_features // Dh
-    exact = isinstance(attend, Plan) or attend.exact
+    exact = isinstance(attend, Plan) or (isinstance(attend, Paged) and attend.exact)
     lin = invariant.linear if exact else _plain
     norm = invariant.rowwise if exact else _plain                         # a GPU's reductions: see invariant.py
     h = norm(blk.input_layernorm, x)
@@ -149,12 +148,14 @@ def layer(x, cos, sin, blk, packed, k_cache, v_cache, k_tree, v_tree, attend):
     q, k = qk[:, :, :Hq], qk[:, :, Hq:]
     k_tree.copy_(k)
     v_tree.copy_(v)
-    if isinstance(attend, Plan):                                           # the engine's caches: finite
+    if isinstance(attend, Keys):                                           # the engine's caches: finite
+        o = plain_attention(q, k_cache, v_cache, k_tree, v_tree, attend, finite=True)
+    elif isinstance(attend, Plan):
         o = attention(q.contiguous(), k_cache, v_cache, k_tree, v_tree, attend, finite=True)
     else:
         o = attend.ops.tree_attention(q.contiguous(), k_cache, v_cache, attend.block_table, attend.cache_lens,
-                                      k_tree, v_tree, attend.tree_mask, window=attend.window,
-                                      check_values=attend.check_values, exact=attend.exact)   # [B, T, Hq, Dh]
+                                      k_tree, v_tree, attend.tree_mask, window=attend.window, check_values=False,
+                                      exact=attend.exact)                  # [B, T, Hq, Dh]
     x = x + lin(packed[1] if packed else blk.o_proj, o.reshape(B, T, Hq * Dh))
     h = norm(blk.post_attention_layernorm, x)
     if packed:
@@ -234,9 +235,9 @@ class LlamaEngine(nn.Module):
         tokens, positions [B, T] int64; tree_mask [T, T] or [B, T, T] bool; rows [B] int64: which cache
         sequences these are. Returns the final-norm hidden states [B, T, D] and the new K/V as tree buffers
         k_tree, v_tree [L, B, T, Hkv, Dh] (not yet in the cache: `kv_append` copies the accepted ones).
-        The kernels' value checks (host syncs on a GPU) run on the first layer only, and not at all with
-        check_values=False: the inputs are the same for every layer.
-        Layers with a sliding window pass it to `tree_attention` (window=): the kernel derives each node's
+        The value checks of the mask and block table (`check_tree_values`, host syncs on a GPU) run once per call, not
+        at all with check_values=False; the attention's layout is planned once per call too (`_attend`).
+        Layers with a sliding window pass it to the attention (window=): it derives each node's
         position from cache_lens and its depth in tree_mask, which is how `positions` are built.
         exact: `tree_attention(..., exact=True)` and `invariant.linear` (None: `exact_mode(ops)`; prefill
         passes False: it is the same call for serial and MTP decoding, so it needs no invariance).
@@ -258,25 +259,33 @@ class LlamaEngine(nn.Module):
             return torch.cat(h), torch.cat(k_tree, 1), torch.cat(v_tree, 1)
         Hkv, Dh = cfg.num_key_value_heads, cfg.head_dim
         block_table, cache_lens = cache.block_table[rows], cache.cache_lens[rows]
+        if check_values:                                 # once per step: every layer reads the same layout
+            check_tree_values(block_table, cache_lens, tree_mask.expand(B, T, T), cache.k.shape[1], cache.block_size)
         k_tree = torch.empty(cfg.num_hidden_layers, B, T, Hkv, Dh, dtype=self.dtype, device=self.device)
         v_tree = torch.empty_like(k_tree)
         cos, sin = self.rope(positions)
         x = self.embed_tokens(tokens) if embeds is None else embeds            # [B, T, D]
         packed = packed_layers(self)                # None: the nn.Linear layers (bf16: the same bits, slower)
-        plans = {}      # the compiled kind's exact attention: planned here, outside its graph, once per window
-        planned = exact and ops.kind == "compiled"
-        for l, blk in enumerate(self.layers):
+        attends = {}                                # the step's layout, once per sliding window
+        per_layer = zip(self.layers, cache.k.unbind(0), cache.v.unbind(0), k_tree.unbind(0), v_tree.unbind(0))
+        for l, (blk, kc, vc, kt, vt) in enumerate(per_layer):
             w = cfg.window(l)
-            if planned:
-                if w not in plans:
-                    plans[w] = plan(block_table, cache_lens, tree_mask, cache.block_size, w,
-                                    min_chunks=ops.min_chunks)                      # 2: see plan()
-                attend = plans[w]
-            else:
-                attend = Paged(ops, block_table, cache_lens, tree_mask, w, check_values and l == 0, exact)
-            x = run(x, cos, sin, blk, packed.layer(l) if packed else None, cache.k[l], cache.v[l], k_tree[l],
-                    v_tree[l], attend)
+            if w not in attends:
+                attends[w] = self._attend(ops, exact, block_table, cache_lens, tree_mask, cache, w)
+            x = run(x, cos, sin, blk, packed.layer(l) if packed else None, kc, vc, kt, vt, attends[w])
         return (invariant.rowwise if exact else _plain)(self.norm, x), k_tree, v_tree
+
+    def _attend(self, ops, exact, block_table, cache_lens, tree_mask, cache, window):
+        """How every layer of a step with this window attends (`layer`'s attend): the twins' layout planned here, once
+        (`plain_plan` / the exact `plan`, min_chunks 2 for the compiled kind: see plan()), or the Triton kernels'
+        `Paged` call, which plans its own launch."""
+        if ops.kind not in ("torch", "compiled"):
+            return Paged(ops, block_table, cache_lens, tree_mask, window, exact)
+        if exact:
+            return plan(block_table, cache_lens, tree_mask, cache.block_size, window,
+                        min_chunks=2 if ops.kind == "compiled" else 1)
+        return plain_plan(block_table, cache_lens, tree_mask, cache.k.shape[1], cache.block_size, window,
+                          torch.promote_types(self.dtype, torch.float32))
 
     def logits(self, hidden, exact=False):
         """hidden [..., D] -> logits [..., V]. On a CPU, and with exact=True (`exact_mode`) on a GPU, the rows go

@@ -10,8 +10,7 @@ kernels (KINDS):
     "auto"      triton on a CUDA device, torch elsewhere
 The sets have the same signatures, so swapping them changes nothing but speed (and fp rounding). Each set also
 carries its numerical policy, `ops.numerics(device, dtype)` (see `numerics`), so the engine and the drafters ask the
-ops they run with and never decide it themselves; the compiled set adds `layer` (the compiled decoder layer) and
-`min_chunks` (its attention plans' smallest chunk count, `tree_attention_ref.plan`).
+ops they run with and never decide it themselves; the compiled set adds `layer` (the compiled decoder layer).
 """
 import functools
 import os
@@ -41,7 +40,7 @@ def torch_ops():
 def compiled_ops(device="cpu"):
     if str(device).startswith("cuda"):
         raise ValueError("kernels='compiled' is the CPU path; on a CUDA device use 'triton' (with cuda_graph=True)")
-    return _ops("compiled", {n: getattr(reference, n) for n in NAMES}, layer=compiled_layer(), min_chunks=2)
+    return _ops("compiled", {n: getattr(reference, n) for n in NAMES}, layer=compiled_layer())
 
 
 def triton_ops(device="cuda"):

@@ -62,11 +62,9 @@ class PackedLinear:
     def __call__(self, x):
         if x.requires_grad and torch.is_grad_enabled():     # the packed op has no backward: the plain matmul
             return F.linear(x, self.w, self.b)
-        rows = x.reshape(-1, x.shape[-1])
-        if torch.compiler.is_compiling():
-            out = torch.ops.mtp_triton.packed_linear(rows, self.packed, self.b, self.n)
-        else:
-            out = _pointwise(rows, self.packed, self.b)
+        if not torch.compiler.is_compiling():
+            return _pointwise(x, self.packed, self.b)           # any leading dims, in one call
+        out = torch.ops.mtp_triton.packed_linear(x.reshape(-1, x.shape[-1]), self.packed, self.b, self.n)
         return out.view(*x.shape[:-1], self.n)
 
 

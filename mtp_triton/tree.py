@@ -86,11 +86,11 @@ class Tree:
         parents = torch.tensor([-1] + [index[p[:-1]] for p in ordered[1:]], dtype=torch.int64)
         depth = torch.tensor([len(p) for p in ordered], dtype=torch.int64)
         rank = torch.tensor([0] + [p[-1] for p in ordered[1:]], dtype=torch.int64)
-        mask = torch.zeros(T, T, dtype=torch.bool)
+        rows = [[False] * T for _ in range(T)]             # node i sees its ancestors p[:d] and itself
         for i, p in enumerate(ordered):
             for d in range(len(p) + 1):
-                mask[i, index[p[:d]]] = True
-        return cls(tuple(ordered), parents, depth, rank, mask)
+                rows[i][index[p[:d]]] = True
+        return cls(tuple(ordered), parents, depth, rank, torch.tensor(rows))
 
     @classmethod
     def root_only(cls):

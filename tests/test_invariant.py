@@ -114,17 +114,27 @@ def test_bf16_mtp_equals_serial_end_to_end(tree):
 
 
 def test_the_cpu_engine_attends_through_the_twin(monkeypatch):
-    """kernels="torch" (and "auto" on a CPU) runs every layer's attention through `reference.tree_attention`: its
-    exact=True in bf16, the plain twin in fp32 (no private attention in the engine)."""
-    seen = []
-    real = ref.tree_attention
-    monkeypatch.setattr(ref, "tree_attention", lambda *a, **kw: seen.append(kw["exact"]) or real(*a, **kw))
+    """kernels="torch" (and "auto" on a CPU) runs every layer's attention through the twin's own pieces, the ones
+    `reference.tree_attention` is made of: the exact `attention` on the step's `plan` in bf16, `plain_attention` on
+    its `plain_plan` in fp32 (no private attention in the engine), each step planned once for all layers."""
+    import mtp_triton.kernels.tree_attention_ref as twin
+    import mtp_triton.model as engine
+    assert engine.attention is twin.attention and engine.plain_attention is twin.plain_attention
+    seen, plans = [], []
+    for name, exact in (("attention", True), ("plain_attention", False)):
+        real = getattr(twin, name)
+        monkeypatch.setattr(engine, name, lambda *a, real=real, exact=exact, **kw: seen.append(exact) or real(*a, **kw))
+    for name in ("plan", "plain_plan"):
+        real = getattr(twin, name)
+        monkeypatch.setattr(engine, name, lambda *a, real=real, **kw: plans.append(1) or real(*a, **kw))
     for dtype, exact in ((DT, True), (torch.float32, False)):
         model = mt.LlamaEngine.from_hf(make_hf("gqa-hd16-v203-untied-L2"), dtype=dtype)
-        seen.clear()
+        seen.clear(), plans.clear()
         mt.generate(model, [[5, 17, 33]], 3, mtp=False)
-        decode = seen[model.config.num_hidden_layers:]                      # after the prefill's (exact=False)
-        assert decode and len(decode) % model.config.num_hidden_layers == 0 and set(decode) == {exact}, (dtype, seen)
+        L = model.config.num_hidden_layers
+        decode = seen[L:]                                                   # after the prefill's (exact=False)
+        assert decode and len(decode) % L == 0 and set(decode) == {exact}, (dtype, seen)
+        assert len(plans) == len(seen) // L                                 # one plan per forward, not per layer
 
 
 # ---- the same guarantees on a GPU, where the exact path is the PyTorch twins' (kernels="torch") ----

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..bundle import ROOT, SMOLLM2, cli_drafter, heads_dir_for, load_bundle, pick_tree
+from ..bundle import ROOT, SMOLLM2, cli_drafter, command_dtype, heads_dir_for, load_bundle, pick_tree
 from ..cli import Resumable, add_common, command_parser, error, int_at_least, run
 from mtp_triton.generate import RuntimeConfig, generate
 from mtp_triton.loading import SHORT_NAMES
@@ -285,7 +285,7 @@ def _main(a, argv):
     except ValueError as e:
         return error(e)
     try:
-        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[a.dtype]
+        dtype = command_dtype(a.dtype, a.model, a.device)[0]
         model, heads, tok = load_bundle(a.model, heads_dir, a.device, dtype, a.drafter)
     except (ValueError, OSError, KeyError, RuntimeError, SafetensorError) as e:
         return error(f"could not load the model or heads from {a.model!r}: {type(e).__name__}: {e}")

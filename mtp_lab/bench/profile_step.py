@@ -36,23 +36,21 @@ PHASES = ("draft", "verify-attention", "verify-other", "accept", "append", "pyth
 @contextlib.contextmanager
 def timed_attention(num_layers, device):
     """Inside this block, every generate() call times its decode-step attention calls into the yielded PhaseTimer,
-    under "attention" (`ops.tree_attention`, or the batch-invariant attention of the engine's exact mode).
+    under "attention": the Triton kinds' `ops.tree_attention`, or the twins the engine calls itself on a step's
+    layout (`mtp_triton.model.plain_attention`, and `attention` of the exact mode and the compiled kind).
 
-    Implementation: generate() gets its kernels from `mtp_triton.generate.get_ops`; this swaps in a wrapper whose
-    tree_attention is timed, skipping the first `num_layers` calls of each generate() (the prefill forward); the
-    eager CPU path, plain and exact, goes through it. The compiled kind calls the exact twin's `attention` directly
-    (`mtp_triton.model.attention`, decode steps only): that is timed too.
+    Implementation: generate() gets its kernels from `mtp_triton.generate.get_ops`; this swaps in a wrapper that, per
+    generate() call, skips the first `num_layers` attention calls (the prefill forward) and times the rest.
     """
-    gen_mod, inv_mod = importlib.import_module("mtp_triton.generate"), importlib.import_module("mtp_triton.model")
-    real_ops, real_inv = gen_mod.get_ops, inv_mod.attention
+    gen_mod, model_mod = importlib.import_module("mtp_triton.generate"), importlib.import_module("mtp_triton.model")
+    real = gen_mod.get_ops, model_mod.attention, model_mod.plain_attention
     timer = PhaseTimer(device)
+    skip = [0]                                   # attention calls left to skip in this generate() (its prefill)
 
-    def timed(fn, skip=0):
-        calls = [0]
-
+    def timed(fn):
         def run(*args, **kw):
-            calls[0] += 1
-            if calls[0] <= skip:                 # prefill
+            if skip[0] > 0:
+                skip[0] -= 1
                 return fn(*args, **kw)
             t0 = timer.start()
             out = fn(*args, **kw)
@@ -61,14 +59,15 @@ def timed_attention(num_layers, device):
         return run
 
     def get_ops(kernels="auto", device="cpu"):
-        ops = real_ops(kernels, device)
-        return SimpleNamespace(**dict(vars(ops), tree_attention=timed(ops.tree_attention, skip=num_layers)))
+        ops = real[0](kernels, device)
+        skip[0] = num_layers
+        return SimpleNamespace(**dict(vars(ops), tree_attention=timed(ops.tree_attention)))
 
-    gen_mod.get_ops, inv_mod.attention = get_ops, timed(real_inv)
+    gen_mod.get_ops, model_mod.attention, model_mod.plain_attention = get_ops, timed(real[1]), timed(real[2])
     try:
         yield timer
     finally:
-        gen_mod.get_ops, inv_mod.attention = real_ops, real_inv
+        gen_mod.get_ops, model_mod.attention, model_mod.plain_attention = real
 
 
 def _kw(gen_kw, i):

@@ -85,27 +85,42 @@ def check_tree_accept_sample_inputs(draft_tokens, parents, target_probs, u_accep
     return check_parents(parents, B, T, who, values)
 
 
-def _node_depths(parents):
-    """parents [B, T] (-1 = root or unused) -> depth [B, T] (root 0; unused nodes 0)."""
-    B, T = parents.shape
-    depth = torch.zeros(B, T, dtype=torch.int64, device=parents.device)
-    for i in range(1, T):
-        p = parents[:, i]
-        depth[:, i] = torch.where(p >= 0, depth.gather(1, p.clamp(min=0)[:, None])[:, 0] + 1, 0)
+def _jumps(parents):
+    """parents [B, T] (-1 = root or unused) -> [up_0, up_1, ...]: up_r [B, T] the 2^r-th ancestor of every node
+    (the root, and a node past it, is its own; an unused node too), for r < ceil(log2 T): enough for any depth."""
+    T = parents.shape[1]
+    up = [torch.where(parents >= 0, parents, torch.arange(T, device=parents.device))]
+    for _ in range(1, (T - 1).bit_length()):
+        up.append(up[-1].gather(1, up[-1]))
+    return up
+
+
+def _all_along(x, up):
+    """x [B, T] bool -> [B, T]: x of the node and of every ancestor (pointer jumping: round r folds in the 2^r nodes
+    above those folded so far). With x = (the node has a parent) summed instead of and-ed, this is the depth."""
+    for u in up:
+        x = x & x.gather(1, u)
+    return x
+
+
+def _node_depths(parents, up):
+    """parents [B, T] -> depth [B, T] (root 0; unused nodes 0): each round adds the distance to the 2^r-th ancestor."""
+    depth = (parents >= 0).long()
+    for u in up:
+        depth = depth + depth.gather(1, u)
     return depth
 
 
-def _path_to(parents, depth, last):
-    """Root-to-`last` node path per sequence, padded with -1: accept_nodes [B, T], accept_len [B]."""
-    B, T = parents.shape
+def _path_to(depth, up, last):
+    """Root-to-`last` node path per sequence, padded with -1: accept_len [B], accept_nodes [B, T]. The node at
+    depth k is `last`'s ancestor accept_len - k levels up: jumps of 2^r for each bit r of that distance."""
+    B, T = depth.shape
     accept_len = depth.gather(1, last[:, None])[:, 0]
-    nodes = torch.full((B, T), -1, dtype=torch.int64, device=parents.device)
-    for b in range(B):
-        node, d = int(last[b]), int(accept_len[b])
-        while node >= 0:
-            nodes[b, d] = node
-            node, d = int(parents[b, node]), d - 1
-    return accept_len, nodes
+    dist = accept_len[:, None] - torch.arange(T, device=depth.device)           # [B, T]
+    node = last[:, None].expand(B, T)
+    for r, u in enumerate(up):
+        node = torch.where((dist >> r) & 1 == 1, u.gather(1, node), node)
+    return accept_len, torch.where(dist >= 0, node, -1)
 
 
 def tree_accept(draft_tokens, parents, target_tokens, *, check_values=True):
@@ -114,21 +129,19 @@ def tree_accept(draft_tokens, parents, target_tokens, *, check_values=True):
     Node i > 0 is accepted iff its parent p is accepted and draft_tokens[i] == target_tokens[p];
     the root is always accepted; a node with parent -1 is unused. The deepest accepted node n
     (ties: lowest index) ends the accepted path; the bonus token is target_tokens[n].
+    Here: a node matches iff it is the root or draft_tokens[i] == target_tokens[parent[i]], and is accepted iff it
+    and all its ancestors match; paths and depths by pointer jumping over the parents (ceil(log2 T) rounds).
     draft_tokens [B, T] int64; parents [T] or [B, T] int64; target_tokens [B, T] int64.
     returns accept_len [B] int64, accept_nodes [B, T] int64 (path from root, -1 padded), next_token [B] int64.
     """
     parents = check_tree_accept_inputs(draft_tokens, parents, target_tokens, values=check_values)
-    B, T = draft_tokens.shape
-    accepted = torch.zeros(B, T, dtype=torch.bool, device=draft_tokens.device)
-    accepted[:, 0] = True
-    for i in range(1, T):
-        p = parents[:, i].clamp(min=0)[:, None]
-        ok = (parents[:, i] >= 0) & accepted.gather(1, p)[:, 0]
-        accepted[:, i] = ok & (draft_tokens[:, i] == target_tokens.gather(1, p)[:, 0])
-    depth = _node_depths(parents)
-    score = torch.where(accepted, depth, -1)
+    up = _jumps(parents)
+    root = torch.arange(parents.shape[1], device=parents.device) == 0
+    match = root | ((parents >= 0) & (draft_tokens == target_tokens.gather(1, parents.clamp(min=0))))
+    depth = _node_depths(parents, up)
+    score = torch.where(_all_along(match, up), depth, -1)
     last = torch.argmax(score, dim=1)          # first index among the deepest accepted nodes
-    accept_len, accept_nodes = _path_to(parents, depth, last)
+    accept_len, accept_nodes = _path_to(depth, up, last)
     next_token = target_tokens.gather(1, last[:, None])[:, 0]
     return accept_len, accept_nodes, next_token
 

@@ -3,8 +3,8 @@ inputs up to rounding) and the input checks both share. Torch only; the kernel f
 copy the two files together.
 
 exact=False, the twin of `_tree_attention_kernel`: the kernel's math, materialised. Each sequence's cache is gathered
-through its block table, and a [T, n + T] visibility mask (the cache, the ancestors, the window) goes into one
-softmax, in fp32 (fp64 stays fp64, so parity tests against transformers can be exact).
+through its block table, and a [T, n + T] visibility bias (0 or -inf: the cache, the ancestors, the window) goes into
+one `scaled_dot_product_attention`, in fp32 (fp64 stays fp64, so parity tests against transformers can be exact).
 
 exact=True, the twin of `_exact_tree_attention_kernel`: batch-invariant attention. Greedy bf16 MTP emits the serial
 tokens only if every accepted node's logits have the bits serial decoding computes there, yet a tree step takes a
@@ -18,13 +18,14 @@ in position order (an fp64 cumsum), and those a node cannot see add exact zeros.
 online softmax instead: each is batch-invariant with itself, and the two round differently (bf16-accurate).
 `plan` lays a step out: chunks below the earliest tree position are computed for all nodes at once ("shared"), the
 last one or two per node ("tail": the chunk's cached keys, then the node's ancestors by depth); a one-node step takes
-all its keys as its tail. Every layer of a step passes the same block table, cache lengths and mask, so the twin
-keeps its last plan per window and reuses it while they are equal.
+all its keys as its tail. Every layer of a step reads the same layout, so the engine plans a step once (`plan`,
+`plain_plan`) and calls `attention` / `plain_attention` per layer; the public `tree_attention` plans every call.
 """
 import numbers
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 CHUNK = 32
 
@@ -93,8 +94,16 @@ def check_tree_attention_inputs(q, k_cache, v_cache, block_table, cache_lens, k_
         if not named[name].is_contiguous():
             raise ValueError(f"tree_attention: {name} must be contiguous (call .contiguous())")
     mask = tree_mask.expand(B, T, T)
-    if not values:
-        return mask
+    if values:
+        check_tree_values(block_table, cache_lens, mask, NB, BS)
+    return mask
+
+
+def check_tree_values(block_table, cache_lens, mask, num_blocks, block_size):
+    """The values `check_tree_attention_inputs` checks (host syncs on a GPU): mask [B, T, T] reflexive and
+    lower-triangular, cache_lens >= 0 with room for cache_lens + T tokens in the table, and the block-table entries in
+    use (the first ceil(cache_lens[b] / BS) of row b) distinct block ids in [0, num_blocks)."""
+    T, NB, BS = mask.shape[-1], num_blocks, block_size
     eye = torch.eye(T, dtype=torch.bool, device=mask.device)
     if not bool(mask[:, eye].all()):
         raise ValueError("tree_attention: tree_mask must be reflexive (every node sees itself)")
@@ -128,7 +137,6 @@ def check_tree_attention_inputs(q, k_cache, v_cache, block_table, cache_lens, k_
                 raise ValueError(f"tree_attention: block id {int(ids[b, c])} is in use twice, at block_table"
                                  f"{list(seen)} and block_table{[b, c]}: no two sequences (or positions) may "
                                  "share a block")
-    return mask
 
 
 def tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask, sm_scale=None, *,
@@ -158,46 +166,68 @@ def tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree,
     mask = check_tree_attention_inputs(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, tree_mask,
                                        values=check_values, window=window)
     window = check_window(window)
+    NB, BS = k_cache.shape[:2]
     if exact:       # one node, no window: the slots it cannot see hold copies of its own row, so none needs zeroing
-        return attention(q, k_cache, v_cache, k_tree, v_tree, _step_plan(block_table, cache_lens, tree_mask,
-                         k_cache.shape[1], window), sm_scale, finite=q.shape[1] == 1 and window is None)
-    B, T, Hq, Dh = q.shape
-    NB, BS, Hkv = k_cache.shape[:3]
-    G = Hq // Hkv
-    scale = Dh ** -0.5 if sm_scale is None else sm_scale
-    acc = torch.promote_types(q.dtype, torch.float32)                            # fp32, or fp64 for fp64 inputs
-    # gather every sequence's cached tokens through its block table, padded to the longest cache
-    n = int(cache_lens.max())
+        return attention(q, k_cache, v_cache, k_tree, v_tree, plan(block_table, cache_lens, mask, BS, window),
+                         sm_scale, finite=q.shape[1] == 1 and window is None)
+    keys = plain_plan(block_table, cache_lens, mask, NB, BS, window, torch.promote_types(q.dtype, torch.float32))
+    return plain_attention(q, k_cache, v_cache, k_tree, v_tree, keys, sm_scale)
+
+
+@dataclass
+class Keys:
+    """A plain step's keys, laid out once per step and read by every layer: each sequence's cached positions (padded
+    to the longest cache) through its block table, then its T tree nodes."""
+    slots: torch.Tensor     # [B * n] int64 flat cache slot (block * BS + offset) of each sequence's positions 0 .. n-1
+    bias: torch.Tensor      # [B, 1, T, n + T] (fp32, fp64 for fp64 inputs): 0 where node i sees key j, else -inf
+    keep: torch.Tensor      # [B, n + T, 1, 1] bool: keys some node sees (the others may hold anything, NaN too)
+
+
+def plain_plan(block_table, cache_lens, tree_mask, num_blocks, block_size, window=None, dtype=torch.float32):
+    """The step's `Keys`. tree_mask [T, T] or [B, T, T] bool; cache_lens [B] int32; window None or an int >= 1.
+    One host read (the longest cache). A block-table entry in use that is not a block id (-1) becomes a slot past
+    the cache, so the gather raises IndexError rather than wrap to the last block."""
+    dev, BS = cache_lens.device, block_size
+    B, T = cache_lens.shape[0], tree_mask.shape[-1]
+    mask = tree_mask.expand(B, T, T)
+    lens = cache_lens.long()
+    n = int(lens.max())
     nblk = (n + BS - 1) // BS
     if nblk > block_table.shape[1]:
         raise IndexError(f"tree_attention: cache_lens needs {nblk} block-table columns, the table has "
                          f"{block_table.shape[1]}")
     blocks = block_table[:, :nblk].long()                                         # [B, nblk]
-    in_use = torch.arange(nblk, device=q.device)[None, :] < (cache_lens[:, None].long() + BS - 1) // BS
+    in_use = torch.arange(nblk, device=dev)[None, :] < (lens[:, None] + BS - 1) // BS
     blocks = torch.where(in_use, blocks, 0)            # entries past a sequence's blocks (-1): masked below
-    blocks = torch.where(blocks < 0, NB, blocks)       # -1 in use must not wrap to the last block: IndexError
-    k_c = k_cache[blocks].reshape(B, -1, Hkv, Dh)[:, :n]                          # [B, n, Hkv, Dh]
-    v_c = v_cache[blocks].reshape(B, -1, Hkv, Dh)[:, :n]
-    cached = torch.arange(n, device=q.device)[None, :] < cache_lens[:, None]     # [B, n] real cache slots
-    k = torch.cat([k_c, k_tree], dim=1).to(acc)                                   # [B, n + T, Hkv, Dh]
-    v = torch.cat([v_c, v_tree], dim=1).to(acc)
-    sees_cache = cached[:, None, :].expand(B, T, n)                               # [B, T, n]
+    blocks = torch.where(blocks < 0, num_blocks, blocks)
+    slots = (blocks[:, :, None] * BS + torch.arange(BS, device=dev)).reshape(B, -1)[:, :n]   # [B, n]
+    j = torch.arange(n, device=dev)
+    sees_cache = (j[None, :] < lens[:, None])[:, None, :].expand(B, T, n)        # [B, T, n]
     sees_tree = mask                                                              # [B, T, T]
     if window is not None:
         depth = mask.sum(-1) - 1                                                  # [B, T]
-        pos = cache_lens[:, None].long() + depth                                  # [B, T] p_i
-        j = torch.arange(n, device=q.device)
+        pos = lens[:, None] + depth                                               # [B, T] p_i
         sees_cache = sees_cache & (pos[:, :, None] - j[None, None, :] < window)
         sees_tree = sees_tree & (depth[:, :, None] - depth[:, None, :] < window)  # p_i - p_a = depth_i - depth_a
     visible = torch.cat([sees_cache, sees_tree], dim=2)                           # [B, T, n + T]
-    keep = visible.any(dim=1)                             # [B, n + T] keys some node sees
-    v = v.masked_fill(~keep[..., None, None], 0.0)        # the others (unused slots, outside every window) may hold NaN
-    qb = q.to(acc).view(B, T, Hkv, G, Dh)
-    scores = torch.einsum("btkgd,bskd->bkgts", qb, k) * scale                     # [B, Hkv, G, T, n + T]
-    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
-    p = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bkgts,bskd->btkgd", p, v)                                 # [B, T, Hkv, G, Dh]
-    return out.reshape(B, T, Hq, Dh).to(q.dtype)
+    bias = torch.zeros(B, 1, T, n + T, dtype=dtype, device=dev).masked_fill_(~visible[:, None], float("-inf"))
+    return Keys(slots.reshape(-1), bias, visible.any(1)[:, :, None, None])
+
+
+def plain_attention(q, k_cache, v_cache, k_tree, v_tree, p, sm_scale=None, finite=False):
+    """q [B, T, Hq, Dh]; k_cache, v_cache [NB, BS, Hkv, Dh] (one layer, contiguous); k_tree, v_tree [B, T, Hkv, Dh];
+    p: the step's `Keys`. -> out [B, T, Hq, Dh] in q's dtype: softmax(q K^T * scale + bias) V in p.bias's dtype, as
+    one `scaled_dot_product_attention` call (GQA by enable_gqa). finite=True: the caches hold no NaN/inf anywhere (the
+    engine's own caches), so keys no node sees need not be zeroed (their probability is exactly 0)."""
+    B, T, Hq, Dh = q.shape
+    Hkv, acc = k_cache.shape[2], p.bias.dtype
+
+    def keys(cache, tree):                                                        # -> [B, Hkv, n + T, Dh]
+        x = torch.cat([cache.view(-1, Hkv, Dh).index_select(0, p.slots).view(B, -1, Hkv, Dh), tree], 1)
+        return (x if finite else x.masked_fill(~p.keep, 0)).to(acc).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q.to(acc).transpose(1, 2), keys(k_cache, k_tree), keys(v_cache, v_tree),
+                                         attn_mask=p.bias, scale=sm_scale, enable_gqa=True)   # [B, Hq, T, Dh]
+    return out.transpose(1, 2).to(q.dtype)
 
 
 @dataclass
@@ -265,25 +295,6 @@ def plan(block_table, cache_lens, tree_mask, block_size, window=None, min_chunks
     bias = lambda ok: torch.zeros(ok.shape, device=dev).masked_fill_(~ok, float("-inf")).permute(1, 0, 2, 3, 4)
     return Plan(B, T, n_shared, W, shared_slots, shared_ok, tail_cache, tail_src, tail_ok, bias(shared_ok),
                 bias(tail_ok))
-
-
-_PLANS = {}     # (block_size, window) -> (block_table, cache_lens, tree_mask, Plan): the last plan, with input copies
-
-
-def _step_plan(block_table, cache_lens, tree_mask, block_size, window):
-    """`plan`, reused while its inputs are equal: every layer of a step passes the same block table, cache lengths
-    and mask, so a step is planned once per window, not once per layer. The inputs are compared by value with copies
-    taken when planning (three small compares), so a changed input, in place or not, is planned anew."""
-    if torch.compiler.is_compiling():
-        return plan(block_table, cache_lens, tree_mask, block_size, window)
-    args = (block_table, cache_lens, tree_mask)
-    last = _PLANS.get((block_size, window))
-    if last is not None and all(a.device == b.device and a.dtype == b.dtype and torch.equal(a, b)
-                                for a, b in zip(last[:3], args)):
-        return last[3]
-    p = plan(block_table, cache_lens, tree_mask, block_size, window)
-    _PLANS[block_size, window] = (*(a.clone() for a in args), p)
-    return p
 
 
 def chunk_sum(e):
