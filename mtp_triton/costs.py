@@ -1,4 +1,5 @@
-"""The cost of a verify step on the running machine, c(T): measured once, cached on disk, read by the cost pruner.
+"""The cost of a verify step on the running machine, c(T): measured once as a starting point, then learned from the
+steps the loop runs (`LiveCosts`), read by the cost pruner.
 
 A step that verifies T nodes costs c(T) seconds (one forward of T nodes through the target, plus their logits) and
 emits 1 + (accepted drafts) tokens. On a GPU at batch 1, c(T) is nearly flat up to large T: the weights are read
@@ -10,18 +11,30 @@ MTP-on-NPU engineering report (BM1684), made concrete.
 `step_costs` times c(T) at a few sizes with `tuning.step_cost` (the one verify-step timer) and interpolates
 linearly in between; the table is cached in $MTP_TRITON_CACHE (default ~/.cache/mtp-triton)/step_costs.json, one
 entry per (CPU or GPU, threads, torch, dtype, model shape, kernels, batch, and the package code: a changed engine
-costs otherwise), so only a machine's first run with a given version of the code pays the few seconds of measuring.
+costs otherwise), so only a machine's first run with a given version of the code pays the few seconds of measuring
+(announced on stderr).
 Delete the file (or an entry) to measure again. An entry that no measurement could have produced (sizes that are not
 increasing ints from 1 up to MAX_SIZE, times that are not finite and positive, or c(T) / c(1) outside
 [MIN_RATIO, MAX_RATIO T] = [0.25, 1.5 T]: one forward of T nodes costs no more than T forwards of one, give or
 take noise, and not much less than one) is
 measured again and replaced, so one damaged file cannot switch speculation off for good. Where the cache cannot be
 written, the table is kept for the process (measured once, with a warning), not measured again at every call.
+
+A table measured once is one moment of the machine: measured while another process is busy it is wrong for good, and
+a busy spell later makes it wrong for as long as the spell lasts. So the loop corrects it with every step it runs
+(`live_costs`: one `LiveCosts` per machine key and process, fed each verify step's seconds by `generate`):
+    log c(T) = log table(T) + a + b log T
+fitted by exponentially weighted least squares (half-life HALF_LIFE steps) on r = log(seconds / table(T)) against
+[1, log T], with a ridge on b. The level a (how much slower or faster the machine runs now than when the table was
+measured) cancels in c(T) / c(1), which is all the pruner reads; the tilt b changes the ratios, and only on evidence
+from steps of several sizes (the ridge keeps the table's shape until there is). Old steps fade, so a busy spell's
+tilt fades with it. Greedy output never depends on any of this: the pruner only chooses which drafts to verify.
 """
 import functools
 import json
 import math
 import os
+import sys
 import warnings
 
 import torch
@@ -36,6 +49,8 @@ from .version import package_hash
 SIZES = (1, 2, 4, 8, 16, 32, 64)          # T measured (plus the candidate tree's own size); others interpolated
 MAX_SIZE, MIN_RATIO, MAX_RATIO = 4096, 0.25, 1.5    # what a stored table may hold (module docstring)
 _UNCACHED = {}                            # (path, key) -> StepCosts measured where the cache cannot be written
+HALF_LIFE, RIDGE, MAX_TILT = 32, 2.0, 1.0  # LiveCosts: steps until a step's weight halves; the ridge on b; |b| cap
+_LIVE = {}                                # (path, key) -> this process's LiveCosts
 
 
 def cache_file():
@@ -89,7 +104,7 @@ class StepCosts:
 
     def ratios(self, T):
         """[c(1), ..., c(T)] / c(1) as a float64 tensor [T]."""
-        return torch.tensor([self.seconds(n) / self.times[0] for n in range(1, T + 1)], dtype=torch.float64)
+        return torch.tensor([self.seconds(n) / self.seconds(1) for n in range(1, T + 1)], dtype=torch.float64)
 
     def serial_steps(self, T, seconds, draft_seconds):
         """A step of T verified nodes, measured as `seconds` of which `draft_seconds` drafting, in serial steps:
@@ -97,7 +112,7 @@ class StepCosts:
         The table's relative cost of verifying, scaled up by the measured share of drafting. Relative, so a slow
         spell of the machine, or a longer context than the table was measured at, slows both sides alike."""
         rest = seconds - draft_seconds
-        return self.seconds(T) / self.times[0] * (seconds / rest if rest > 0 else 1.0)
+        return self.seconds(T) / self.seconds(1) * (seconds / rest if rest > 0 else 1.0)
 
     def describe(self):
         """One line for stats and logs: c(T)/c(1) at the measured sizes, and where the table came from."""
@@ -135,6 +150,8 @@ def step_costs(model, max_nodes, kernels="auto", batch=1, path=None):
     if kept is not None and kept.sizes[-1] >= max_nodes:
         return kept
     sizes = sorted({n for n in SIZES if n < max_nodes} | {max_nodes})
+    print(f"mtp_triton: measuring this machine's verify-step costs c(T) for T in {sizes} once (a few seconds; cached "
+          f"in {path}, then corrected by every step)", file=sys.stderr)
     seconds = tuning.step_cost(model, [Tree.chain(n - 1) for n in sizes], batch=batch, kernels=kernels)
     costs = StepCosts(sizes, seconds, f"measured now, cached in {path}")
     table = _read(path)
@@ -148,3 +165,50 @@ def step_costs(model, max_nodes, kernels="auto", batch=1, path=None):
         warnings.warn(f"step costs: cannot write {path} ({e.strerror or e}); the measured table is kept for this "
                       "process only. Set MTP_TRITON_CACHE to a writable folder to keep it.", stacklevel=2)
     return costs
+
+
+class LiveCosts(StepCosts):
+    """A stored or measured table (the prior) corrected online by the verify steps the loop runs (module docstring):
+        c(T) = table(T) exp(a + b log T),   (a, b) = argmin  sum_s w_s (r_s - a - b log T_s)^2 + RIDGE b^2
+    with r_s = log(seconds_s / table(T_s)) and w_s = 2^(-age_s / HALF_LIFE)."""
+
+    def __init__(self, prior):
+        super().__init__(prior.sizes, prior.times, prior.source)
+        self.prior = prior
+        self.sums = [0.0] * 5               # sum w, w l, w l^2, w r, w l r   (l = log T)
+        self.a = self.b = 0.0
+        self.steps = 0
+
+    def observe(self, T, seconds):
+        """One verify step of T nodes took `seconds` (drafting excluded)."""
+        if not (seconds > 0 and math.isfinite(seconds)) or T < 1:
+            return
+        l, r = math.log(T), math.log(seconds / self.prior.seconds(T))
+        decay = 0.5 ** (1.0 / HALF_LIFE)
+        self.sums = [decay * x + y for x, y in zip(self.sums, (1.0, l, l * l, r, l * r))]
+        w, wl, wll, wr, wlr = self.sums
+        det = w * (wll + RIDGE) - wl * wl
+        self.b = max(-MAX_TILT, min(MAX_TILT, (w * wlr - wl * wr) / det))
+        self.a = (wr - self.b * wl) / w
+        self.steps += 1
+
+    def seconds(self, T):
+        return self.prior.seconds(T) * math.exp(self.a + self.b * math.log(max(T, 1)))
+
+    def describe(self):
+        return (self.prior.describe() + f"; live over {self.steps} steps: x{math.exp(self.a):.2f} the table's level, "
+                f"c(T) tilted by T^{self.b:+.3f}")
+
+
+def live_costs(model, max_nodes, kernels="auto", batch=1, path=None):
+    """This process's `LiveCosts` for the machine key of (model, kernels, batch): the learning goes on across
+    `generate` calls; its prior is `step_costs(...)` (re-read, or measured up to a bigger max_nodes, when needed)."""
+    prior = step_costs(model, max_nodes, kernels, batch, path)
+    key = (path or cache_file(), machine_key(model, get_ops(kernels, model.device).kind, batch))
+    live = _LIVE.get(key)
+    if live is None or live.prior.sizes[-1] < max_nodes:
+        fresh = LiveCosts(prior)
+        if live is not None:                # a bigger table: the fit so far carries over
+            fresh.sums, fresh.a, fresh.b, fresh.steps = live.sums, live.a, live.b, live.steps
+        live = _LIVE[key] = fresh
+    return live

@@ -161,7 +161,11 @@ def generate(model, prompts, max_new_tokens, *, drafter=None, heads=None, mtp=Tr
             predicted, reach = [pred[a] for a in at], [kept[a] for a in at]
         dt = time.perf_counter() - t_step
         rec.step(dt, accepted, depth, emitted, nodes=T)
-        cost = pruner.costs.serial_steps(T, dt, rec.timer.total["draft"] - drafted) if by_cost else None
+        cost = None
+        if by_cost:
+            draft_dt = rec.timer.total["draft"] - drafted
+            pruner.costs.observe(T, dt - draft_dt)              # the cost model learns from the step it ran
+            cost = pruner.costs.serial_steps(T, dt, draft_dt)
         rec.fallbacks += policy.update(seqs, depth, accepted, emitted, predicted, cost, reach)
 
     cache_bytes = cache.nbytes() + drafter.cache_bytes()

@@ -4,7 +4,7 @@
                  drafter is at least a threshold (EAGLE-2's idea of a draft tree shaped by the draft's own
                  probabilities: a step whose drafts look unlikely verifies fewer nodes)
     CostPruner   sizing by cost (RuntimeConfig.size_by_cost): keep each row's n nodes with the most expected tokens
-                 for the measured cost of verifying them (`costs.StepCosts`, this machine's c(T))
+                 for the cost of verifying them (`costs.LiveCosts`, this machine's c(T), learned as it runs)
     choose       which of the two (or none) a `generate` call runs, from its settings
 
 A pruner is called by the step between draft and verify: (tree, tokens, path_prob, parents) -> the kept sub-tree.
@@ -13,7 +13,7 @@ target, and acceptance is unchanged.
 """
 import torch
 
-from .costs import step_costs
+from .costs import live_costs
 from .ops import cpu_twins
 from .tree import Tree
 
@@ -76,7 +76,7 @@ class CostPruner(Pruner):
 
         S_a(n)    = sum of the n - 1 largest path probabilities of row a's drafted nodes
         gain_a(n) = 1 + alpha_a S_a(n) - rho_a c(n) / c(1)       expected tokens of the step, less what its cost buys
-        n_a       = argmax_n gain_a(n),   c(n) = the measured cost of verifying n nodes (`costs.StepCosts`)
+        n_a       = argmax_n gain_a(n),   c(n) = the cost of verifying n nodes now (`costs.LiveCosts`)
         keep[a, i] = node i is among the n_a most probable nodes of row a (ties: the lower node first)
 
     rho_a is the tokens per serial step's time that row a's recent speculative steps emitted, drafting included
@@ -95,7 +95,7 @@ class CostPruner(Pruner):
     def __init__(self, costs):
         super().__init__(1.0)
         self.min_prob = 0.0                 # the drafter then reports path probabilities without cutting any
-        self.costs, self.ratio = costs, {}  # ratio: T -> c(1 .. T) / c(1) [T] on the device
+        self.costs = costs                  # c(T): `costs.LiveCosts` (learns from the steps) or any StepCosts
         self.alpha = self.rho = 1.0         # scalars or [A] float64 tensors (weigh)
         self.predicted = None
 
@@ -105,14 +105,13 @@ class CostPruner(Pruner):
 
     def keep(self, path_prob, on):
         A, T = path_prob.shape
-        if T not in self.ratio:
-            self.ratio[T] = self.costs.ratios(T).to(path_prob.device)                    # [T] c(n) / c(1)
+        ratio = self.costs.ratios(T).to(path_prob.device)                               # [T] c(n) / c(1) now
         alpha, rho = (x.to(path_prob.device) if torch.is_tensor(x) else x for x in (self.alpha, self.rho))
         p = torch.where(on, path_prob.double(), 0.0)
         p[:, 0] = 2.0                                                                   # the root always first
         order = torch.sort(p, dim=1, descending=True, stable=True).indices              # [A, T]
         S = torch.cumsum(p.gather(1, order), dim=1) - 2.0                               # [A, T] S(n), n = 1 .. T
-        n = torch.argmax(alpha * S - rho * self.ratio[T], dim=1)                        # [A] n_a - 1
+        n = torch.argmax(alpha * S - rho * ratio, dim=1)                        # [A] n_a - 1
         rank = torch.empty_like(order).scatter_(1, order, torch.arange(T, device=p.device).expand(A, T))
         kept = on & (rank <= n[:, None])
         self.predicted = S.gather(1, n[:, None])[:, 0]                                  # [A]
@@ -139,7 +138,7 @@ def choose(runtime, drafter, trees, model, kernels, ops, *, cuda_graph, pinned, 
         _needs_probabilities("prune_below", drafter)
         pruner = Pruner(prune_below)
     elif trees.budget > 1 and sizes_by_cost(runtime, drafter, model.device, ops, cuda_graph, pinned):
-        pruner = CostPruner(step_costs(model, trees.budget, kernels, batch=batch))
+        pruner = CostPruner(live_costs(model, trees.budget, kernels, batch=batch))
     by_cost = pruner is not None and pruner.by_cost and (runtime is None or runtime.fallback_by_cost is not False)
     if runtime is not None and runtime.fallback_by_cost and not by_cost:
         raise ValueError("RuntimeConfig.fallback_by_cost=True compares speculative steps with the measured cost of a "

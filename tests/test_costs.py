@@ -8,7 +8,7 @@ import torch
 
 import mtp_triton as mt
 from mtp_triton import costs
-from mtp_triton.costs import StepCosts, step_costs
+from mtp_triton.costs import LiveCosts, StepCosts, live_costs, step_costs
 from mtp_triton.drafters import OracleDrafter
 from mtp_triton.policy import RuntimeConfig, RuntimePolicy
 from mtp_triton.sizing import CostPruner
@@ -34,9 +34,10 @@ def test_step_costs_are_measured_once_then_read_from_the_cache(case, tmp_path, m
     path = str(tmp_path / "sub" / "step_costs.json")
     calls = []
     import mtp_triton.tuning as tuning
-    real = tuning.step_cost
+    # plausible times (c(T) / c(1) in bounds): one timing of the tiny model can be all noise, and an implausible
+    # table is measured again, which is another test's business
     monkeypatch.setattr(tuning, "step_cost", lambda m, trees, **kw: calls.append([t.size for t in trees])
-                        or real(m, trees, reps=1, **kw))
+                        or [0.001 * (1 + 0.05 * t.size) for t in trees])
     first = step_costs(model, 17, path=path)
     assert calls == [[1, 2, 4, 8, 16, 17]] and first.sizes == [1, 2, 4, 8, 16, 17]
     again = step_costs(model, 12, path=path)                              # smaller tree: the same entry serves
@@ -49,6 +50,49 @@ def test_step_costs_are_measured_once_then_read_from_the_cache(case, tmp_path, m
     assert len(calls) == 3 and json.load(open(path))                      # ... and the file rewritten whole
     monkeypatch.setattr(torch, "get_num_threads", lambda: 99)            # another machine setting: its own entry
     assert costs.machine_key(model, "torch", 1) not in json.load(open(path))
+
+
+def test_live_costs_follow_the_machine_and_forget_a_busy_spell():
+    """The level of a slower or faster machine cancels in c(T) / c(1); a change of shape is learned from steps of
+    several sizes; steps of one size alone keep the table's shape (the ridge); a busy spell fades after it ends."""
+    table = StepCosts([1, 2, 4, 8, 16, 32], [0.040, 0.041, 0.045, 0.055, 0.070, 0.100])
+    live = LiveCosts(table)
+    for _ in range(50):                                   # everything 1.7x slower: the ratios stay the table's
+        for T in (1, 4, 16, 32):
+            live.observe(T, 1.7 * table.seconds(T))
+    assert live.seconds(8) == pytest.approx(1.7 * table.seconds(8), rel=1e-6)
+    assert live.ratios(32).tolist() == pytest.approx(table.ratios(32).tolist(), rel=1e-6)
+    one = LiveCosts(table)
+    for _ in range(50):                                   # only 8-node steps, slower: level moves, shape holds
+        one.observe(8, 3 * table.seconds(8))
+    assert one.seconds(8) == pytest.approx(3 * table.seconds(8), rel=0.05)
+    assert float(one.ratios(32)[-1]) == pytest.approx(float(table.ratios(32)[-1]), rel=0.35)
+    busy = LiveCosts(table)
+    for _ in range(60):                                   # a busy spell that slows big trees most: c(32)/c(1) up
+        for T in (1, 32):
+            busy.observe(T, table.seconds(T) * (1 if T == 1 else 2.0))
+    assert busy.ratios(32)[-1] > 1.6 * table.ratios(32)[-1]
+    for _ in range(200):                                  # the spell ends: back to the table's shape
+        for T in (1, 32):
+            busy.observe(T, table.seconds(T))
+    assert float(busy.ratios(32)[-1]) == pytest.approx(float(table.ratios(32)[-1]), rel=0.05)
+    busy.observe(4, float("nan")), busy.observe(4, -1.0)  # a broken timing is ignored
+    assert "live over 520 steps" in busy.describe()
+
+
+def test_generate_feeds_the_live_costs_and_keeps_them_for_the_process(case, tmp_path, monkeypatch):
+    model, prompts = case[0], case[1]
+    monkeypatch.setenv("MTP_TRITON_CACHE", str(tmp_path))
+    import mtp_triton.tuning as tuning
+    monkeypatch.setattr(tuning, "step_cost", lambda m, trees, **kw: [0.01 * (1 + 0.1 * t.size) for t in trees])
+    heads = mt.init_heads(model, num_heads=3, seed=0)
+    run = lambda: mt.generate(model, prompts[:1], 12, heads=heads, runtime=RuntimeConfig(size_by_cost=True))
+    run()
+    live = live_costs(model, 1)                                         # the one that run used, kept
+    before = live.steps
+    res = run()
+    assert live.steps - before == res.stats.steps > 0                   # every step observed, in the same model
+    assert live_costs(model, 1) is live and "live over" in res.stats.cost_model
 
 
 @pytest.mark.parametrize("sizes, secs", [

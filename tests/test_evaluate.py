@@ -17,7 +17,7 @@ import mtp_triton as mt
 import mtp_triton.reference as reference
 from mtp_lab.__main__ import main as cli
 from mtp_lab.bench import evaluate as ev
-from mtp_triton.costs import StepCosts
+from mtp_triton.costs import LiveCosts, StepCosts
 from mtp_triton.generate import prefill
 from mtp_triton.ops import get_ops
 from mtp_triton.tree import get_tree
@@ -136,8 +136,9 @@ def _accept_one_wrong_token(orig):
 def test_quality_gate_fails_on_broken_acceptance(tiny_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(reference, "tree_accept", _accept_one_wrong_token(reference.tree_accept))
     # flat step costs: every step verifies its whole tree, so every request meets the broken rule
-    sizing = importlib.import_module("mtp_triton.sizing") if not hasattr(generate_module, "step_costs") else generate_module
-    monkeypatch.setattr(sizing, "step_costs", lambda model, n, *a, **k: StepCosts([1, n], [1.0, 1.0]))
+    sizing = importlib.import_module("mtp_triton.sizing")
+    monkeypatch.setattr(sizing, "live_costs", lambda model, n, *a, **k: LiveCosts(StepCosts([1, n], [1.0, 1.0])))
+    monkeypatch.setattr(LiveCosts, "observe", lambda self, T, seconds: None)     # and they stay flat
     out = str(tmp_path / "broken")
     rc = ev.main(["--model", tiny_dir, "--quick", "--scenarios", "code_completion", "--no-edge", "--out", out,
                   "--no-progress"])
