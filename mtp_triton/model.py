@@ -116,9 +116,9 @@ class Paged:
     exact: bool = False
 
 
-def layer(x, cos, sin, blk, packed, k_cache, v_cache, k_tree, v_tree, attend):
-    """One decoder layer over T nodes per sequence: x [B, T, D] -> x [B, T, D]; writes the nodes' K/V to k_tree,
-    v_tree [B, T, Hkv, Dh] (this layer's tree buffers). The body of `forward_tree`; the "compiled" kind of ops
+def layer(x, cos, sin, blk, packed, k_cache, v_cache, attend):
+    """One decoder layer over T nodes per sequence: x [B, T, D] -> (x [B, T, D], k, v [B, T, Hkv, Dh]: the nodes' K/V,
+    which `forward_tree` stacks into the step's tree buffers). The body of `forward_tree`; the "compiled" kind of ops
     runs this same function through `torch.compile` (mtp_triton/compiled.py).
 
     cos, sin [B, T, 1, Dh]; blk: the layer's Block (norms; its nn.Linear layers when packed is None); packed: its
@@ -141,20 +141,18 @@ def layer(x, cos, sin, blk, packed, k_cache, v_cache, k_tree, v_tree, attend):
     else:
         qkv = torch.cat([lin(blk.q_proj, h), lin(blk.k_proj, h), lin(blk.v_proj, h)], -1)
     qkv = qkv.reshape(B, T, Hq + 2 * Hkv, Dh)
-    qk, v = qkv[:, :, :Hq + Hkv], qkv[:, :, Hq + Hkv:]                     # [B, T, Hq + Hkv, Dh], [B, T, Hkv, Dh]
+    qk, v = qkv.split([Hq + Hkv, Hkv], 2)                                  # [B, T, Hq + Hkv, Dh], [B, T, Hkv, Dh]
     if hasattr(blk, "q_norm"):                                             # Qwen3: per head, over Dh
         qk = torch.cat([norm(blk.q_norm, qk[:, :, :Hq]), norm(blk.k_norm, qk[:, :, Hq:])], 2)
-    qk = apply_rope(qk, cos, sin)
-    q, k = qk[:, :, :Hq], qk[:, :, Hq:]
-    k_tree.copy_(k)
-    v_tree.copy_(v)
+    q, k = apply_rope(qk, cos, sin).split([Hq, Hkv], 2)
     if isinstance(attend, Keys):                                           # the engine's caches: finite
-        o = plain_attention(q, k_cache, v_cache, k_tree, v_tree, attend, finite=True)
+        o = plain_attention(q, k_cache, v_cache, k, v, attend, finite=True)
     elif isinstance(attend, Plan):
-        o = attention(q.contiguous(), k_cache, v_cache, k_tree, v_tree, attend, finite=True)
-    else:
-        o = attend.ops.tree_attention(q.contiguous(), k_cache, v_cache, attend.block_table, attend.cache_lens,
-                                      k_tree, v_tree, attend.tree_mask, window=attend.window, check_values=False,
+        o = attention(q.contiguous(), k_cache, v_cache, k, v, attend, finite=True)
+    else:                                                                  # the kernels read contiguous tensors
+        k, v = k.contiguous(), v.contiguous()
+        o = attend.ops.tree_attention(q.contiguous(), k_cache, v_cache, attend.block_table, attend.cache_lens, k, v,
+                                      attend.tree_mask, window=attend.window, check_values=False,
                                       exact=attend.exact)                  # [B, T, Hq, Dh]
     x = x + lin(packed[1] if packed else blk.o_proj, o.reshape(B, T, Hq * Dh))
     h = norm(blk.post_attention_layernorm, x)
@@ -162,7 +160,7 @@ def layer(x, cos, sin, blk, packed, k_cache, v_cache, k_tree, v_tree, attend):
         g, u = lin(packed[2], h).chunk(2, -1)
     else:
         g, u = lin(blk.gate_proj, h), lin(blk.up_proj, h)
-    return x + lin(packed[3] if packed else blk.down_proj, F.silu(g) * u)
+    return x + lin(packed[3] if packed else blk.down_proj, F.silu(g) * u), k, v
 
 
 class PagedKVCache:
@@ -257,22 +255,21 @@ class LlamaEngine(nn.Module):
                    for b in range(B)]
             h, k_tree, v_tree = zip(*one)
             return torch.cat(h), torch.cat(k_tree, 1), torch.cat(v_tree, 1)
-        Hkv, Dh = cfg.num_key_value_heads, cfg.head_dim
         block_table, cache_lens = cache.block_table[rows], cache.cache_lens[rows]
         if check_values:                                 # once per step: every layer reads the same layout
             check_tree_values(block_table, cache_lens, tree_mask.expand(B, T, T), cache.k.shape[1], cache.block_size)
-        k_tree = torch.empty(cfg.num_hidden_layers, B, T, Hkv, Dh, dtype=self.dtype, device=self.device)
-        v_tree = torch.empty_like(k_tree)
         cos, sin = self.rope(positions)
         x = self.embed_tokens(tokens) if embeds is None else embeds            # [B, T, D]
         packed = packed_layers(self)                # None: the nn.Linear layers (bf16: the same bits, slower)
-        attends = {}                                # the step's layout, once per sliding window
-        per_layer = zip(self.layers, cache.k.unbind(0), cache.v.unbind(0), k_tree.unbind(0), v_tree.unbind(0))
-        for l, (blk, kc, vc, kt, vt) in enumerate(per_layer):
+        attends, ks, vs = {}, [], []                # the step's layout, once per sliding window; the nodes' K/V
+        for l, (blk, kc, vc) in enumerate(zip(self.layers, cache.k.unbind(0), cache.v.unbind(0))):
             w = cfg.window(l)
             if w not in attends:
                 attends[w] = self._attend(ops, exact, block_table, cache_lens, tree_mask, cache, w)
-            x = run(x, cos, sin, blk, packed.layer(l) if packed else None, kc, vc, kt, vt, attends[w])
+            x, k, v = run(x, cos, sin, blk, packed.layer(l) if packed else None, kc, vc, attends[w])
+            ks.append(k)
+            vs.append(v)
+        k_tree, v_tree = torch.stack(ks), torch.stack(vs)                    # [L, B, T, Hkv, Dh]
         return (invariant.rowwise if exact else _plain)(self.norm, x), k_tree, v_tree
 
     def _attend(self, ops, exact, block_table, cache_lens, tree_mask, cache, window):

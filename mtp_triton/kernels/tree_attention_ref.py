@@ -176,23 +176,23 @@ def tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree,
 
 @dataclass
 class Keys:
-    """A plain step's keys, laid out once per step and read by every layer: each sequence's cached positions (padded
-    to the longest cache) through its block table, then its T tree nodes."""
-    slots: torch.Tensor     # [B * n] int64 flat cache slot (block * BS + offset) of each sequence's positions 0 .. n-1
-    bias: torch.Tensor      # [B, 1, T, n + T] (fp32, fp64 for fp64 inputs): 0 where node i sees key j, else -inf
-    keep: torch.Tensor      # [B, n + T, 1, 1] bool: keys some node sees (the others may hold anything, NaN too)
+    """A plain step's keys, laid out once per step and read by every layer: each sequence's cache blocks (as many as
+    the longest cache needs: m = that many blocks x BS positions) through its block table, then its T tree nodes."""
+    blocks: torch.Tensor    # [B * nblk] int64 block id of each sequence's first nblk block-table entries
+    bias: torch.Tensor      # [B, 1, T, m + T] (fp32, fp64 for fp64 inputs): 0 where node i sees key j, else -inf
+    keep: torch.Tensor      # [B, m + T, 1, 1] bool: keys some node sees (the others may hold anything, NaN too)
 
 
 def plain_plan(block_table, cache_lens, tree_mask, num_blocks, block_size, window=None, dtype=torch.float32):
     """The step's `Keys`. tree_mask [T, T] or [B, T, T] bool; cache_lens [B] int32; window None or an int >= 1.
-    One host read (the longest cache). A block-table entry in use that is not a block id (-1) becomes a slot past
-    the cache, so the gather raises IndexError rather than wrap to the last block."""
+    One host read (the longest cache). Positions past a sequence's length, in its last block or in blocks it does not
+    have (read as block 0), are never visible. A block-table entry in use that is not a block id (-1) becomes a block
+    past the cache, so the gather raises IndexError rather than wrap to the last block."""
     dev, BS = cache_lens.device, block_size
     B, T = cache_lens.shape[0], tree_mask.shape[-1]
     mask = tree_mask.expand(B, T, T)
     lens = cache_lens.long()
-    n = int(lens.max())
-    nblk = (n + BS - 1) // BS
+    nblk = (int(lens.max()) + BS - 1) // BS
     if nblk > block_table.shape[1]:
         raise IndexError(f"tree_attention: cache_lens needs {nblk} block-table columns, the table has "
                          f"{block_table.shape[1]}")
@@ -200,30 +200,29 @@ def plain_plan(block_table, cache_lens, tree_mask, num_blocks, block_size, windo
     in_use = torch.arange(nblk, device=dev)[None, :] < (lens[:, None] + BS - 1) // BS
     blocks = torch.where(in_use, blocks, 0)            # entries past a sequence's blocks (-1): masked below
     blocks = torch.where(blocks < 0, num_blocks, blocks)
-    slots = (blocks[:, :, None] * BS + torch.arange(BS, device=dev)).reshape(B, -1)[:, :n]   # [B, n]
-    j = torch.arange(n, device=dev)
-    sees_cache = (j[None, :] < lens[:, None])[:, None, :].expand(B, T, n)        # [B, T, n]
+    j = torch.arange(nblk * BS, device=dev)                                       # [m] positions gathered
+    sees_cache = (j[None, :] < lens[:, None])[:, None, :].expand(B, T, -1)        # [B, T, m]
     sees_tree = mask                                                              # [B, T, T]
     if window is not None:
         depth = mask.sum(-1) - 1                                                  # [B, T]
         pos = lens[:, None] + depth                                               # [B, T] p_i
         sees_cache = sees_cache & (pos[:, :, None] - j[None, None, :] < window)
         sees_tree = sees_tree & (depth[:, :, None] - depth[:, None, :] < window)  # p_i - p_a = depth_i - depth_a
-    visible = torch.cat([sees_cache, sees_tree], dim=2)                           # [B, T, n + T]
-    bias = torch.zeros(B, 1, T, n + T, dtype=dtype, device=dev).masked_fill_(~visible[:, None], float("-inf"))
-    return Keys(slots.reshape(-1), bias, visible.any(1)[:, :, None, None])
+    visible = torch.cat([sees_cache, sees_tree], dim=2)                           # [B, T, m + T]
+    bias = torch.zeros(visible[:, None].shape, dtype=dtype, device=dev).masked_fill_(~visible[:, None], float("-inf"))
+    return Keys(blocks.reshape(-1), bias, visible.any(1)[:, :, None, None])
 
 
 def plain_attention(q, k_cache, v_cache, k_tree, v_tree, p, sm_scale=None, finite=False):
-    """q [B, T, Hq, Dh]; k_cache, v_cache [NB, BS, Hkv, Dh] (one layer, contiguous); k_tree, v_tree [B, T, Hkv, Dh];
-    p: the step's `Keys`. -> out [B, T, Hq, Dh] in q's dtype: softmax(q K^T * scale + bias) V in p.bias's dtype, as
-    one `scaled_dot_product_attention` call (GQA by enable_gqa). finite=True: the caches hold no NaN/inf anywhere (the
+    """q [B, T, Hq, Dh]; k_cache, v_cache [NB, BS, Hkv, Dh] (one layer); k_tree, v_tree [B, T, Hkv, Dh]; p: the
+    step's `Keys`. -> out [B, T, Hq, Dh] in q's dtype: softmax(q K^T * scale + bias) V in p.bias's dtype, as one
+    `scaled_dot_product_attention` call (GQA by enable_gqa). finite=True: the caches hold no NaN/inf anywhere (the
     engine's own caches), so keys no node sees need not be zeroed (their probability is exactly 0)."""
     B, T, Hq, Dh = q.shape
     Hkv, acc = k_cache.shape[2], p.bias.dtype
 
-    def keys(cache, tree):                                                        # -> [B, Hkv, n + T, Dh]
-        x = torch.cat([cache.view(-1, Hkv, Dh).index_select(0, p.slots).view(B, -1, Hkv, Dh), tree], 1)
+    def keys(cache, tree):                                                        # -> [B, Hkv, m + T, Dh]
+        x = torch.cat([cache.index_select(0, p.blocks).view(B, -1, Hkv, Dh), tree], 1)
         return (x if finite else x.masked_fill(~p.keep, 0)).to(acc).transpose(1, 2)
     out = F.scaled_dot_product_attention(q.to(acc).transpose(1, 2), keys(k_cache, k_tree), keys(v_cache, v_tree),
                                          attn_mask=p.bias, scale=sm_scale, enable_gqa=True)   # [B, Hq, T, Dh]
