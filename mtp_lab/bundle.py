@@ -77,10 +77,13 @@ def command_dtype(arg, model, device=None):
 
 def load_bundle(model=SMOLLM2, heads=None, device=None, dtype=None, drafter="medusa"):
     """(model, drafter: MTP heads or an MTP module, tokenizer). heads: the drafter's folder (default: the model's
-    shipped one of kind `drafter`). dtype None: bf16 on CPU for the GGUF model (the engine's exact mode keeps MTP
+    shipped one of kind `drafter`); drafter=None: no drafter (None in its place: serial decoding). dtype None: bf16 on CPU for the GGUF model (the engine's exact mode keeps MTP
     identical to serial there), the checkpoint's dtype otherwise."""
     if dtype is None and model == SMOLLM2 and (device or "cpu") == "cpu" and not torch.cuda.is_available():
         dtype = torch.bfloat16
+    if drafter is None:
+        m = load_model(model, device=device, dtype=dtype)
+        return m, None, load_tokenizer(model)
     heads_path = heads or heads_dir_for(model, drafter)
     if heads is None and not os.path.exists(heads_path):
         kind = "MTP module (--drafter mtp)" if drafter == "mtp" else "MTP heads (--drafter medusa)"

@@ -185,9 +185,10 @@ def text_generate(argv=None):
         check_temperature(a.temperature, a.top_p)
         check_seed(a.seed)
         check_tree_name(a.tree)
-        a.drafter = cli_drafter(a.model, a.drafter, a.heads)
+        a.drafter = None if a.no_mtp else cli_drafter(a.model, a.drafter, a.heads)     # --no-mtp: no drafter at all
         model, heads, tok = load_bundle(a.model, a.heads, a.device, dtype, a.drafter)
-        tree = pick_tree(a.tree, heads, a.heads or heads_dir_for(a.model, a.drafter), model, a.kernels)
+        tree = None if a.no_mtp else pick_tree(a.tree, heads, a.heads or heads_dir_for(a.model, a.drafter), model,
+                                               a.kernels)
         ids = tok(a.prompt)["input_ids"] if a.raw else encode(tok, a.prompt)
         if not ids:
             raise ValueError("the prompt is empty")

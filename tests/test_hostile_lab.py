@@ -184,3 +184,15 @@ def test_a_drafter_kind_the_model_does_not_ship_is_named_as_such(tmp_path):
                 timeout=120)
     line = assert_refused(r, "ships no MTP module", "--drafter")
     assert "heads.safetensors" not in line
+
+
+def test_no_mtp_needs_no_drafter(tmp_path):
+    """`generate --no-mtp` on a model folder without a drafter decodes serially (it was refused for the missing heads,
+    which it does not use)."""
+    import shutil
+    for f in os.listdir(TINY):
+        if os.path.isfile(os.path.join(TINY, f)):
+            shutil.copy(os.path.join(TINY, f), tmp_path / f)
+    r = run_cli("generate", "--model", tmp_path, "--prompt", "def f(", "--raw", "--no-mtp", "--max-new-tokens", "4",
+                timeout=120)
+    assert r.returncode == 0 and "4 tokens" in r.stderr and "tau 1.00" in r.stderr, r.stderr[-2000:]
