@@ -241,11 +241,11 @@ class ModuleDrafter(Drafter):
         tree = self._tree(tuple(sorted(paths, key=lambda p: (len(p), p))))
         T = tree.size
         node = {p: i for i, p in enumerate(tree.paths)}
-        cand = torch.full((A, T), -1, dtype=torch.int64)
+        cand = [[-1] * T for _ in range(A)]                                        # row a's candidate at each node
         for a, own in enumerate(mine):
             for p, c in own.items():
-                cand[a, node[p]] = c
-        cand = cand.to(tok.device)
+                cand[a][node[p]] = c
+        cand = torch.tensor(cand, dtype=torch.int64, device=tok.device)
         on = cand >= 0
         on[:, 0] = True
         tokens = torch.where(on, tok.gather(1, cand.clamp_min(0)), roots[:, None])
