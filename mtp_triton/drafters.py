@@ -71,6 +71,8 @@ class Drafter:
     num_heads = 0                   # the deepest node it drafts: the runtime policy's depth limit
     reports_probabilities = False   # draft(min_prob=p) returns path probabilities (for sizing.Pruner / CostPruner)
     synthetic = False               # proposes a known continuation (a measuring aid), not a model's guesses
+    taps = ()                       # target layers whose residual streams `start`/`observe` take (EAGLE-3's fused
+    #                                 features); () : the final-norm hidden states
 
     def trees(self, tree, device):
         """generate's tree= (a Tree, a preset name, Medusa-style choices, or None: the package default), checked

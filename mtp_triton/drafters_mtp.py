@@ -33,6 +33,7 @@ import copy
 import torch
 
 from .drafters import Drafter
+from .eagle3 import default_taps
 from .model import PagedKVCache
 from .packed import packed_linear
 from .tree import DrawnTrees, Tree
@@ -57,6 +58,11 @@ class ModuleDrafter(Drafter):
                 raise ValueError(f"ModuleDrafter: {k} must be an int >= {2 if k == 'nodes' else 1}, got {v!r}")
         self.depth, self.top_k, self.beam, self.nodes = d["depth"], d["top_k"], d["beam"], d["nodes"]
         self.num_heads = self.depth                      # the deepest node: the runtime policy's depth limit
+        L = cfg.num_hidden_layers
+        taps = getattr(module, "taps", ())               # EAGLE-3's: the target layers it reads (None: its default)
+        self.taps = default_taps(L) if taps is None else tuple(taps)
+        if any(not 0 <= j <= L for j in self.taps):
+            raise ValueError(f"ModuleDrafter: the drafter reads target layers {list(self.taps)}, the model has {L}")
         dev, dt = model.device, model.dtype
         self.bf16 = ops.numerics(dev, dt).draft_bf16
         self.dtype = torch.bfloat16 if self.bf16 else dt
@@ -138,14 +144,14 @@ class ModuleDrafter(Drafter):
         f[rows] = the module's output at each row's last pair."""
         A, N = nxt.shape
         dev = nxt.device
-        u = self.module.inputs(self.embed, h.to(self.dtype), nxt)                  # [A, N, D]
+        x, a = self.module.step_inputs(self.embed, h.to(self.dtype), nxt)          # [A, N, D], [A, N, 2D] or None
         idx = torch.arange(N, device=dev)
         real = idx[None, :] < n[:, None]                                           # [A, N]
         causal = torch.tril(torch.ones(N, N, dtype=torch.bool, device=dev))
         mask = (causal[None] & real[:, None, :] & real[:, :, None]) | torch.eye(N, dtype=torch.bool, device=dev)
         g, k_new, v_new = self.engine.forward_tree(None, self.cache.cache_lens[rows].long()[:, None] + idx, mask,
                                                    self.cache, rows, self.ops, check_values=False, exact=False,
-                                                   embeds=u)
+                                                   embeds=x, attn_in=a)
         self.ops.kv_append(self.cache.k, self.cache.v, self.cache.block_table[rows], self.cache.cache_lens[rows],
                            k_new, v_new, torch.where(real, idx, -1), n - 1, check_values=False)
         self.cache.cache_lens[rows] += n.to(torch.int32)
@@ -173,10 +179,10 @@ class ModuleDrafter(Drafter):
             tree = self._tree(())
             return tree, roots[:, None].clone(), torch.ones(A, 1, device=dev), tree.parents
         self._flush()
-        ids, lp = self._score(self.f[rows], K)                                     # [A, K] depth 1
+        ids, lp = self._score(self.module.head_input(self.f[rows]), K)             # [A, K] depth 1
         tok, logp, parent = [ids], [lp], [torch.full((A, K), -1, device=dev)]      # per candidate
         rank, level = [torch.arange(K, device=dev)], [torch.ones(K, dtype=torch.int64, device=dev)]
-        fw_u, fw_par, fw_depth = [], [], []          # nodes run through the module: input, parent slot, depth
+        fw_x, fw_a, fw_par, fw_depth = [], [], [], []   # nodes run through the module: inputs, parent slot, depth
         slot = torch.full((A, K), -1, dtype=torch.int64, device=dev)               # candidate -> its fw slot
         start, width, n_fw = 0, K, 0
         L = self.cache.cache_lens[rows].long()
@@ -190,13 +196,15 @@ class ModuleDrafter(Drafter):
                 f_par = self.f[rows][:, None, :].expand(A, b, -1)
             else:
                 f_par = g.gather(1, par_slot.clamp_min(0)[..., None].expand(A, b, g.shape[-1]))
-            fw_u.append(self.module.inputs(self.embed, f_par, torch.cat(tok, 1).gather(1, top)))
+            x, a = self.module.step_inputs(self.embed, f_par, torch.cat(tok, 1).gather(1, top), own=True)
+            fw_x.append(x)
+            fw_a.append(a)
             fw_par.append(par_slot)
             fw_depth += [d] * b
             slot = torch.cat([slot, torch.full((A, b * K), -1, dtype=torch.int64, device=dev)], 1)
             slot.scatter_(1, top, torch.arange(n_fw, n_fw + b, device=dev).expand(A, b))
             n_fw += b
-            u, fpar = torch.cat(fw_u, 1), torch.cat(fw_par, 1)                     # [A, F, D], [A, F]
+            fpar = torch.cat(fw_par, 1)                                            # [A, F]
             mask = torch.eye(n_fw, dtype=torch.bool, device=dev).repeat(A, 1, 1)    # [A, F, F] self + ancestors
             anc = fpar
             for _ in range(d - 1):
@@ -205,8 +213,9 @@ class ModuleDrafter(Drafter):
                 anc = torch.where(anc >= 0, fpar.gather(1, anc.clamp_min(0)), -1)
             pos = L[:, None] + torch.tensor(fw_depth, device=dev)[None, :] - 1     # index m = L + d - 1
             g, _, _ = self.engine.forward_tree(None, pos, mask, self.cache, rows, self.ops, check_values=False,
-                                               exact=False, embeds=u)               # [A, F, D]
-            ids, lp = self._score(g[:, n_fw - b:].reshape(A * b, -1), K)           # [A * b, K]
+                                               exact=False, embeds=torch.cat(fw_x, 1),
+                                               attn_in=None if a is None else torch.cat(fw_a, 1))   # [A, F, D]
+            ids, lp = self._score(self.module.head_input(g[:, n_fw - b:]).reshape(A * b, -1), K)   # [A * b, K]
             tok.append(ids.view(A, b * K))
             logp.append((cand_lp.gather(1, top)[:, :, None] + lp.view(A, b, K)).view(A, b * K))
             parent.append(top[:, :, None].expand(A, b, K).reshape(A, b * K))

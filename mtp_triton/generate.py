@@ -21,7 +21,7 @@ from .drafters import Drafter, HeadsDrafter, SerialDrafter
 from .drafters_mtp import ModuleDrafter
 from .graphs import GraphedVerify
 from .heads import MTPHeads
-from .mtp_module import MTPModule
+from .mtp_module import DraftBlock
 from .ops import get_ops
 from .policy import RuntimeConfig, RuntimePolicy
 from .sampling import Sampler
@@ -55,22 +55,24 @@ def causal_chains(seqs, device):
 
 
 @torch.no_grad()
-def prefill(model, prompts, cache, ops, all_hidden=False):
+def prefill(model, prompts, cache, ops, all_hidden=False, taps=()):
     """Run every prompt through the model as a causal chain with an empty cache and store all its K/V.
 
     prompts: list of B token lists (lengths may differ). Returns the final-norm hidden state at each prompt's last
-    token [B, D]; with all_hidden=True also those at every position [B, S, D] (what the MTP module reads).
+    token [B, D]; with all_hidden=True also those at every position [B, S, D] (what the MTP module reads), or with
+    taps (layer ids, `LlamaEngine.forward_tree`) the residual streams entering them, [B, S, len(taps) D] (EAGLE-3's).
     """
     dev = model.device
     tokens, positions, mask, lens = causal_chains(prompts, dev)
     B, S = tokens.shape
     idx = torch.arange(S, device=dev)
     rows = torch.arange(B, device=dev)
-    hidden, k_tree, v_tree = model.forward_tree(tokens, positions, mask, cache, rows, ops, exact=False)
+    hidden, k_tree, v_tree, *feats = model.forward_tree(tokens, positions, mask, cache, rows, ops, exact=False,
+                                                        taps=taps)
     nodes = torch.where(idx[None, :] < lens[:, None], idx[None, :], -1)
     ops.kv_append(cache.k, cache.v, cache.block_table, cache.cache_lens, k_tree, v_tree, nodes, lens - 1)
     cache.cache_lens += lens.to(torch.int32)
-    return (hidden[rows, lens - 1], hidden) if all_hidden else hidden[rows, lens - 1]
+    return (hidden[rows, lens - 1], feats[0] if feats else hidden) if all_hidden else hidden[rows, lens - 1]
 
 
 @torch.no_grad()
@@ -126,7 +128,7 @@ def generate(model, prompts, max_new_tokens, *, drafter=None, heads=None, mtp=Tr
     # a step's nodes sit past a row's length: room for the most a step verifies (a dynamic tree: the rows' union)
     capacities = [len(p) + max_new_tokens + trees.room(B) for p in prompts]
     cache = model.new_cache(capacities, block_size)
-    hidden, every = prefill(model, prompts, cache, ops, all_hidden=True)            # [B, D], [B, S, D]
+    hidden, every = prefill(model, prompts, cache, ops, all_hidden=True, taps=drafter.taps)  # [B, D], [B, S, D']
     roots = sampler.choose(model.logits(hidden))                                    # [B] the first new tokens
     drafter.start(prompts, every, roots, capacities, block_size)                    # its own cache, if it has one
     del every
@@ -175,7 +177,7 @@ def generate(model, prompts, max_new_tokens, *, drafter=None, heads=None, mtp=Tr
 
 def _drafter(drafter, heads, mtp, model, ops):
     """generate's drafter= / heads= (its older name) -> one `Drafter`: a Drafter as it is, MTP heads -> HeadsDrafter,
-    an MTP module -> ModuleDrafter; mtp=False or neither -> SerialDrafter (the one-node tree every step)."""
+    an MTP module or EAGLE-3 drafter -> ModuleDrafter; mtp=False or neither -> SerialDrafter (the one-node tree every step)."""
     if drafter is not None and heads is not None:
         raise ValueError("generate: pass the drafter once, as drafter= (heads= is its older name), not both")
     given = heads if drafter is None else drafter
@@ -183,12 +185,12 @@ def _drafter(drafter, heads, mtp, model, ops):
         return SerialDrafter()
     if isinstance(given, Drafter):
         return given
-    if isinstance(given, MTPModule):
+    if isinstance(given, DraftBlock):
         return ModuleDrafter(given, model, ops)
     if isinstance(given, MTPHeads):
         return HeadsDrafter(given, model, ops)
-    raise ValueError(f"generate: drafter must be MTP heads (load_heads), an MTP module (load_module) or a "
-                     f"drafters.Drafter, got {type(given).__name__}")
+    raise ValueError(f"generate: drafter must be MTP heads (load_heads), an MTP module or EAGLE-3 drafter "
+                     f"(load_drafter) or a drafters.Drafter, got {type(given).__name__}")
 
 
 def _kernels(model, kernels, cuda_graph):

@@ -116,7 +116,7 @@ class Paged:
     exact: bool = False
 
 
-def layer(x, cos, sin, blk, packed, k_cache, v_cache, attend):
+def layer(x, cos, sin, blk, packed, k_cache, v_cache, attend, a=None):
     """One decoder layer over T nodes per sequence: x [B, T, D] -> (x [B, T, D], k, v [B, T, Hkv, Dh]: the nodes' K/V,
     which `forward_tree` stacks into the step's tree buffers). The body of `forward_tree`; the "compiled" kind of ops
     runs this same function through `torch.compile` (mtp_triton/compiled.py).
@@ -126,6 +126,8 @@ def layer(x, cos, sin, blk, packed, k_cache, v_cache, attend):
     attend: how the layer attends, laid out once per step by `forward_tree` for all layers: a `Keys` (the plain twin,
     `plain_attention`), a `Plan` (the exact twin, `attention`, with linear layers and norms through `invariant`, whose
     rows round alike in every call) or a `Paged` (the ops' `tree_attention`: the Triton kernels).
+    a [B, T, D_a]: what q, k and v are projected from instead of RMSNorm(x) (EAGLE-3's block, eagle3.py, attends
+    from [RMSNorm(E x); RMSNorm(u)], D_a = 2D, with x = u as its residual).
         h = RMSNorm(x);  q, k, v = h Wq, h Wk, h Wv;  q, k = RoPE(q), RoPE(k);  x = x + Attn(q, K, V) Wo
         h = RMSNorm(x);  x = x + (silu(h Wg) * h Wu) Wd
     """
@@ -135,7 +137,7 @@ def layer(x, cos, sin, blk, packed, k_cache, v_cache, attend):
     exact = isinstance(attend, Plan) or (isinstance(attend, Paged) and attend.exact)
     lin = invariant.linear if exact else _plain
     norm = invariant.rowwise if exact else _plain                         # a GPU's reductions: see invariant.py
-    h = norm(blk.input_layernorm, x)
+    h = norm(blk.input_layernorm, x) if a is None else a
     if packed:
         qkv = lin(packed[0], h)
     else:
@@ -227,7 +229,8 @@ class LlamaEngine(nn.Module):
         return ops.numerics(self.device, self.dtype).exact
 
     @torch.no_grad()
-    def forward_tree(self, tokens, positions, tree_mask, cache, rows, ops, check_values=True, exact=None, embeds=None):
+    def forward_tree(self, tokens, positions, tree_mask, cache, rows, ops, check_values=True, exact=None, embeds=None,
+                     attn_in=None, taps=None):
         """Run T nodes per sequence through all layers.
 
         tokens, positions [B, T] int64; tree_mask [T, T] or [B, T, T] bool; rows [B] int64: which cache
@@ -240,7 +243,11 @@ class LlamaEngine(nn.Module):
         exact: `tree_attention(..., exact=True)` and `invariant.linear` (None: `exact_mode(ops)`; prefill
         passes False: it is the same call for serial and MTP decoding, so it needs no invariance).
         embeds [B, T, D]: the first layer's input instead of embed_tokens(tokens) (tokens may then be None): the MTP
-        module (mtp_module.py) runs its block this way, on fc([enorm(E x); hnorm(h)]).
+        module (mtp_module.py) runs its block this way, on fc([enorm(E x); hnorm(h)]). attn_in [B, T, D_a]: what the
+        first layer's q, k, v are projected from (`layer`'s a; EAGLE-3's block, eagle3.py).
+        taps: layer ids j (0 <= j <= L): also return the residual stream entering layer j (j = L: after the last
+        layer, before the final norm), concatenated: (h, k_tree, v_tree, feats [B, T, len(taps) D]). EAGLE-3's
+        drafter reads layers (2, L // 2, L - 3) this way (vLLM's eagle_aux_hidden_state_layer_ids).
         """
         cfg = self.config
         B, T = positions.shape
@@ -251,10 +258,10 @@ class LlamaEngine(nn.Module):
             # (a graph for B > 1 may vectorise and split its loops otherwise than the B = 1 graph)
             one = [self.forward_tree(None if tokens is None else tokens[b:b + 1], positions[b:b + 1],
                                      tree_mask[b] if tree_mask.dim() == 3 else tree_mask, cache, rows[b:b + 1], ops,
-                                     check_values, exact, None if embeds is None else embeds[b:b + 1])
+                                     check_values, exact, *(None if t is None else t[b:b + 1] for t in (embeds, attn_in)),
+                                     taps)
                    for b in range(B)]
-            h, k_tree, v_tree = zip(*one)
-            return torch.cat(h), torch.cat(k_tree, 1), torch.cat(v_tree, 1)
+            return tuple(torch.cat(parts, 1 if i in (1, 2) else 0) for i, parts in enumerate(zip(*one)))
         block_table, cache_lens = cache.block_table[rows], cache.cache_lens[rows]
         if check_values:                                 # once per step: every layer reads the same layout
             check_tree_values(block_table, cache_lens, tree_mask.expand(B, T, T), cache.k.shape[1], cache.block_size)
@@ -262,15 +269,23 @@ class LlamaEngine(nn.Module):
         x = self.embed_tokens(tokens) if embeds is None else embeds            # [B, T, D]
         packed = packed_layers(self)                # None: the nn.Linear layers (bf16: the same bits, slower)
         attends, ks, vs = {}, [], []                # the step's layout, once per sliding window; the nodes' K/V
+        tapped = {}                                 # layer id -> the residual stream entering it
         for l, (blk, kc, vc) in enumerate(zip(self.layers, cache.k.unbind(0), cache.v.unbind(0))):
+            if taps and l in taps:
+                tapped[l] = x
             w = cfg.window(l)
             if w not in attends:
                 attends[w] = self._attend(ops, exact, block_table, cache_lens, tree_mask, cache, w)
-            x, k, v = run(x, cos, sin, blk, packed.layer(l) if packed else None, kc, vc, attends[w])
+            x, k, v = run(x, cos, sin, blk, packed.layer(l) if packed else None, kc, vc, attends[w],
+                          *(() if l or attn_in is None else (attn_in,)))
             ks.append(k)
             vs.append(v)
         k_tree, v_tree = torch.stack(ks), torch.stack(vs)                    # [L, B, T, Hkv, Dh]
-        return (invariant.rowwise if exact else _plain)(self.norm, x), k_tree, v_tree
+        h = (invariant.rowwise if exact else _plain)(self.norm, x)
+        if not taps:
+            return h, k_tree, v_tree
+        tapped[len(self.layers)] = x
+        return h, k_tree, v_tree, torch.cat([tapped[j] for j in taps], -1)
 
     def _attend(self, ops, exact, block_table, cache_lens, tree_mask, cache, window):
         """How every layer of a step with this window attends (`layer`'s attend): the twins' layout planned here, once

@@ -70,13 +70,15 @@ def draft(drafter, rows, inputs, pruner=None):
     return tree, tokens, parents
 
 
-def verify(model, cache, rows, tokens, tree, ops, check_values=True, graphs=None):
-    """One forward of all nodes. -> hidden [A, T, D], k_tree, v_tree [L, A, T, Hkv, Dh], logits [A, T, V]"""
+def verify(model, cache, rows, tokens, tree, ops, check_values=True, graphs=None, taps=()):
+    """One forward of all nodes. -> hidden [A, T, D], k_tree, v_tree [L, A, T, Hkv, Dh], logits [A, T, V], and with
+    taps (layer ids, `LlamaEngine.forward_tree`) the residual streams entering them, feats [A, T, len(taps) D]"""
     positions = cache.cache_lens[rows].long()[:, None] + tree.depth[None, :]       # [A, T]
     if graphs is not None:                                  # replay a captured CUDA graph of this tree size
         return graphs.run(model, cache, rows, tokens, positions, tree, ops)
-    hidden, k_tree, v_tree = model.forward_tree(tokens, positions, tree.mask, cache, rows, ops, check_values)
-    return hidden, k_tree, v_tree, model.logits(hidden, model.exact_mode(ops))
+    hidden, k_tree, v_tree, *feats = model.forward_tree(tokens, positions, tree.mask, cache, rows, ops, check_values,
+                                                        taps=taps)
+    return (hidden, k_tree, v_tree, model.logits(hidden, model.exact_mode(ops)), *feats)
 
 
 def accept(logits, tokens, parents, sampler, ops, check_values=True):
@@ -114,7 +116,8 @@ def mtp_step(model, cache, rows, inputs, drafter, sampler, ops, plan=None):
     inputs: a `StepInputs`; drafter: a `drafters.Drafter` (`drafters.SerialDrafter` for a serial step); sampler: a
     `sampling.Sampler`; plan: a `StepPlan` (default: value checks on, no timer, graphs or pruner). With a pruner,
     Step.draft and Step.accept_nodes index the pruned tree (Step.draft.shape[1] nodes). After append the drafter
-    is shown what was committed (`observe`: a drafter with its own cache takes the accepted pairs from it)."""
+    is shown what was committed (`observe`: a drafter with its own cache takes the accepted pairs from it; one with
+    taps, EAGLE-3's, is shown the residual streams at its taps instead of the final-norm hidden states)."""
     plan = plan or StepPlan()
     clock = plan.timer.start if plan.timer else (lambda: None)
     stop = plan.timer.stop if plan.timer else (lambda name, t0: None)
@@ -124,7 +127,8 @@ def mtp_step(model, cache, rows, inputs, drafter, sampler, ops, plan=None):
     stop("draft", t0)
 
     t0 = clock()
-    h_tree, k_tree, v_tree, logits = verify(model, cache, rows, tokens, tree, ops, plan.check_values, plan.graphs)
+    h_tree, k_tree, v_tree, logits, *feats = verify(model, cache, rows, tokens, tree, ops, plan.check_values,
+                                                    plan.graphs, drafter.taps)
     stop("verify", t0)
 
     t0 = clock()
@@ -133,7 +137,7 @@ def mtp_step(model, cache, rows, inputs, drafter, sampler, ops, plan=None):
 
     t0 = clock()
     append(cache, rows, k_tree, v_tree, accept_nodes, accept_len, ops, plan.check_values, inputs.frozen)
-    drafter.observe(rows, h_tree, tokens, accept_nodes, accept_len, bonus)
+    drafter.observe(rows, feats[0] if feats else h_tree, tokens, accept_nodes, accept_len, bonus)
     last = accept_nodes.gather(1, accept_len[:, None])[:, 0]                        # deepest accepted node [A]
     h_last = h_tree[torch.arange(len(last), device=last.device), last]              # [A, D]
     stop("append", t0)
