@@ -1,7 +1,7 @@
 """mtp_triton — Multi-Token Prediction speculative decoding with handwritten Triton kernels.
 
 Public names: the Triton kernels at the top level, their PyTorch twins in `mtp_triton.reference`, the engine
-(`load_model`), drafters (MTP heads, the MTP module: `load_drafter`), trees and `generate`. Importing the package imports no Triton kernel and changes no
+(`load_model`), drafters (MTP heads, the MTP module, EAGLE-3's drafter: `load_drafter`), trees and `generate`. Importing the package imports no Triton kernel and changes no
 environment variable; kernel modules load on first use. To run the kernels on a CPU-only machine (in Triton's
 interpreter), call `mtp_triton.use_interpreter()` first.
 """
@@ -13,6 +13,7 @@ from .heads import MTPHeads, init_heads, load_heads
 from .loading import load_model, load_tokenizer
 from .model import LlamaEngine, ModelConfig
 from .mtp_module import MTPModule, load_drafter, load_module
+from .eagle3 import Eagle3Module
 from .tree import PRESETS, Tree, get_tree
 from .version import __version__, package_hash  # noqa: F401  (__version__: the package version)
 
@@ -24,4 +25,4 @@ def __getattr__(name):
 
 __all__ = ["reference", "generate", "GenerateResult", "GenerateStats", "RuntimeConfig", "MTPHeads", "init_heads",
            "load_heads", "LlamaEngine", "ModelConfig", "load_model", "load_tokenizer", "Tree", "PRESETS", "get_tree",
-           "use_interpreter", "package_hash", "MTPModule", "load_module", "load_drafter", *KERNELS]
+           "use_interpreter", "package_hash", "MTPModule", "Eagle3Module", "load_module", "load_drafter", *KERNELS]
