@@ -50,6 +50,8 @@ SUBCOMMANDS = {
     "distill": ("mtp_lab.training.distill", "run", "heads for a frozen chat model from its own answers (SmolLM2)"),
     "mtp": ("mtp_lab.training.module", "run", "an MTP module (one block, DeepSeek-V3 / EAGLE style) for a frozen "
             "chat model from its own answers"),
+    "answers": ("mtp_lab.training.answers", "run", "the model's own answers to the training prompts, into gzip'ed "
+                "shards (resumable, time budget)"),
     "retree": ("mtp_lab.training.retree", "run", "choose trained heads' tree again for this machine (no training)"),
     "eval": ("mtp_lab.training.evaluate", "measure_tau",
              "measure tau with mtp_triton.generate (greedy) per tree on a prompt file"),
