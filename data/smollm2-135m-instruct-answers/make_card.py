@@ -48,7 +48,7 @@ def runs_table(rows):
         runs[key] = (min(first, g.get("date")), max(last, g.get("date")), n + 1)
     body = [(f"`{c}`", commit, dev, tv, th, dt, n, f"{a} – {b}") for (c, commit, dev, tv, th, dt), (a, b, n)
             in runs.items()]
-    return md_table(["command", "commit", "machine", "torch", "threads", "dtype", "answers", "shards written (UTC)"],
+    return md_table(["command", "commit", "machine", "torch", "threads", "dtype", "answers", "shards begun (UTC)"],
                     body)
 
 
