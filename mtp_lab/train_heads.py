@@ -50,6 +50,8 @@ SUBCOMMANDS = {
     "distill": ("mtp_lab.training.distill", "run", "heads for a frozen chat model from its own answers (SmolLM2)"),
     "mtp": ("mtp_lab.training.module", "run", "an MTP module (one block, DeepSeek-V3 / EAGLE style) for a frozen "
             "chat model from its own answers"),
+    "eagle3": ("mtp_lab.training.eagle3", "run", "EAGLE-3's drafter (three feature layers, training-time test) for a "
+               "frozen chat model from its answer shards (resumable)"),
     "answers": ("mtp_lab.training.answers", "run", "the model's own answers to the training prompts, into gzip'ed "
                 "shards (resumable, time budget)"),
     "retree": ("mtp_lab.training.retree", "run", "choose trained heads' tree again for this machine (no training)"),

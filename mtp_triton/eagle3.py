@@ -38,7 +38,7 @@ from .files import write_bytes, write_json
 from .heads import _check_token_map
 from .loading import check_finite as check_finite_tensors
 from .model import Block, RMSNorm
-from .mtp_module import DraftBlock
+from .draft_block import DraftBlock
 
 CONFIG_FILE, WEIGHTS_FILE, BIN_FILE = "config.json", "model.safetensors", "pytorch_model.bin"
 ARCHITECTURE = "LlamaForCausalLMEagle3"

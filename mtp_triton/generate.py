@@ -21,7 +21,7 @@ from .drafters import Drafter, HeadsDrafter, SerialDrafter
 from .drafters_mtp import ModuleDrafter
 from .graphs import GraphedVerify
 from .heads import MTPHeads
-from .mtp_module import DraftBlock
+from .draft_block import DraftBlock
 from .ops import get_ops
 from .policy import RuntimeConfig, RuntimePolicy
 from .sampling import Sampler

@@ -17,124 +17,29 @@ Training unrolls that recurrence ("training-time test", EAGLE-3, https://arxiv.o
 unroll reads, at index m, u^(k)_m from f^(k-1)_{m-1} and x_{m+1}, and attends to step 0's keys at m' <= m - k and to
 step j's key at m - (k - j) for 1 <= j <= k: exactly what a tree node at depth k sees when drafting (the committed
 cache, then its own ancestors). `unroll` is that differentiable forward; decoding runs the same block through the
-engine's paged-cache step (`engine`, `drafters_mtp.ModuleDrafter`).
+engine's paged-cache step (`engine`, `drafters_mtp.ModuleDrafter`); both come from `draft_block.DraftBlock`, which
+EAGLE-3's drafter (eagle3.py) shares. `load_drafter` reads any drafter folder: this module's, EAGLE-3's or heads.
 
 Files: a folder with module.safetensors (fc, the norms, the block's projections, token_map) and module.json
 (format "mtp_triton.module/1", the block's config fields, the dynamic tree's defaults, free metadata).
 """
-import copy
 import dataclasses
 import json
 import os
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save
 from torch import nn
 
 from .heads import _check_token_map
 from .loading import check_finite as check_finite_tensors
-from .model import Block, LlamaEngine, ModelConfig, RMSNorm, apply_rope, rope_inv_freq, rope_tables
+from .draft_block import DRAFT_DEFAULTS, DraftBlock  # noqa: F401  (DRAFT_DEFAULTS: public here too)
+from .eagle3 import is_eagle3_folder, load_eagle3
+from .model import Block, ModelConfig, RMSNorm
 from .files import write_bytes, write_json
 from .heads import load_heads
 
 MODULE_FILE, MODULE_META, FORMAT = "module.safetensors", "module.json", "mtp_triton.module/1"
-# the dynamic tree's defaults (EAGLE-2): depth, candidates per expanded node, nodes expanded per depth, nodes kept
-DRAFT_DEFAULTS = dict(depth=6, top_k=8, beam=4, nodes=32)
-
-
-class DraftBlock(nn.Module):
-    """What the MTP module and EAGLE-3's drafter (eagle3.py) share: one block of the target's family (`self.block`),
-    the dynamic tree's settings, RoPE, the engine that decodes the block over a paged cache, and the unrolled forward
-    of training. A subclass defines its inputs and outputs:
-        step_inputs(embed, h, tokens, own) -> (x, a)   the block's residual input [..., D] and what its q, k, v are
-                                                        projected from (None: RMSNorm(x)); h is the target's (own
-                                                        False) or the block's own recurrent state (own True)
-        recurrent             a module, y -> r: the state a deeper node reads, from the block's output y (the
-                              engine's final norm)
-        head_input(r) -> z    what the LM-head rows (`lm_rows`) score
-    """
-
-    def _setup(self, cfg, draft):
-        last = None if cfg.layer_types is None else (cfg.layer_types[-1],)
-        self.config = dataclasses.replace(cfg, num_hidden_layers=1, layer_types=last)
-        if draft is not None and not isinstance(draft, dict):
-            raise ValueError(f"draft must be an object of dynamic-tree settings ({', '.join(DRAFT_DEFAULTS)}), got "
-                             f"{draft!r}")
-        unknown = sorted(set(draft or {}) - set(DRAFT_DEFAULTS))
-        if unknown:
-            raise ValueError(f"draft: unknown settings {unknown}; the dynamic tree takes {', '.join(DRAFT_DEFAULTS)}")
-        self.draft = dict(DRAFT_DEFAULTS, **(draft or {}))
-        self.meta = {}
-
-    @property
-    def hidden_size(self):
-        return self.config.hidden_size
-
-    def inv_freq(self, device):
-        """RoPE's inverse frequencies in fp32 whatever the weights' dtype (not a buffer: .to(bf16) would round them)."""
-        return rope_inv_freq(self.config).to(device)
-
-    def with_draft(self, **settings):
-        """The same module (weights shared, not copied) with other dynamic-tree settings (depth, top_k, beam, nodes):
-        e.g. with_draft(depth=4, top_k=1, beam=1, nodes=5) drafts a chain of 4, MTP-4."""
-        if not set(settings) <= set(DRAFT_DEFAULTS):
-            raise ValueError(f"with_draft: unknown settings {sorted(set(settings) - set(DRAFT_DEFAULTS))}; "
-                             f"use {sorted(DRAFT_DEFAULTS)}")
-        other = copy.copy(self)
-        other.draft = dict(self.draft, **settings)
-        return other
-
-    # ---- training: the unrolled, differentiable forward -------------------------------------------------
-    def unroll(self, embed, h, nxt, steps):
-        """r^(k) [B, S, D] (`recurrent`) for k = 0 .. steps-1 (module docstring). h [B, S, D_h] what the target gives
-        at m (`step_inputs`); nxt [B, S] the token at m + 1. r^(k)_m predicts the token at m + 2 and is scored where
-        m >= k: step k at m reads r^(k-1)_{m-1} and x_{m+1} and attends to step 0's keys at m' <= m - k and to step j's
-        key at m - (k - j), 1 <= j <= k (a tree node at depth k: the committed cache, then its ancestors)."""
-        cfg, blk = self.config, self.block
-        B, S, _ = h.shape
-        Hq, Hkv, Dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        m = torch.arange(S, device=h.device)
-        cos, sin = (t[None, :, None, :] for t in rope_tables(m, self.inv_freq(h.device)))   # [1, S, 1, Dh] fp32
-        window = cfg.window(0)
-        ks, vs, outs, u = [], [], [], h
-        for k in range(steps):
-            x, a = self.step_inputs(embed, u, nxt, own=k > 0)
-            a = blk.input_layernorm(x) if a is None else a
-            q = blk.q_proj(a).view(B, S, Hq, Dh)
-            kk, v = blk.k_proj(a).view(B, S, Hkv, Dh), blk.v_proj(a).view(B, S, Hkv, Dh)
-            if cfg.qk_norm:
-                q, kk = blk.q_norm(q), blk.k_norm(kk)
-            q, kk = (apply_rope(t, cos.to(t.dtype), sin.to(t.dtype)) for t in (q, kk))
-            ks.append(kk)
-            vs.append(v)
-            seen = m[None, :] <= m[:, None] - k                                     # step 0: the committed context
-            if window is not None:
-                seen &= m[:, None] - m[None, :] < window
-            mask = torch.cat([seen] + [m[None, :] == m[:, None] - (k - j) for j in range(1, k + 1)], 1)  # [S, (k+1)S]
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), torch.cat(ks, 1).transpose(1, 2),
-                                               torch.cat(vs, 1).transpose(1, 2), attn_mask=mask, enable_gqa=True)
-            x = x + blk.o_proj(o.transpose(1, 2).reshape(B, S, Hq * Dh))
-            a = blk.post_attention_layernorm(x)
-            r = self.recurrent(x + blk.down_proj(F.silu(blk.gate_proj(a)) * blk.up_proj(a)))
-            outs.append(r)
-            u = torch.cat([r[:, :1], r[:, :-1]], 1)                                 # u^(k+1)_m = r^(k)_{m-1}
-        return outs
-
-    # ---- decoding: the block as a one-layer engine over a paged cache ----------------------------------
-    def engine(self, model):
-        """A one-layer LlamaEngine whose layer, final norm (`recurrent`) and RoPE are this module's (shared, not
-        copied): its `forward_tree(embeds=x, attn_in=a)` is the decoding step, over a paged cache of its own."""
-        with torch.device("meta"):
-            eng = LlamaEngine(self.config)
-        w = self.fc.weight                                 # the engine's device and dtype are the module's
-        eng.embed_tokens = nn.Embedding(1, 1).to(w)        # unused: embeds are passed (the target's E is shared)
-        eng.lm_head = nn.Linear(1, 1, bias=False).to(w)    # unused: drafting scores lm_rows itself
-        eng.layers = nn.ModuleList([self.block])
-        eng.norm = self.recurrent
-        eng.inv_freq = self.inv_freq(w.device)
-        eng.pack_weights = model.pack_weights
-        return eng.eval()
 
 
 class MTPModule(DraftBlock):
@@ -255,7 +160,6 @@ def load_drafter(path, device=None, dtype=None):
     """The drafter saved at `path`: an MTP module folder (module.json) -> `load_module`, an EAGLE-3 drafter folder
     (config.json naming LlamaForCausalLMEagle3) -> `eagle3.load_eagle3`, anything else -> MTP heads
     (`heads.load_heads`: our heads folder or a Medusa checkpoint). Any of them goes to generate(drafter=...)."""
-    from .eagle3 import is_eagle3_folder, load_eagle3      # eagle3 builds on this module's DraftBlock
     if is_module_folder(path):
         return load_module(path, device, dtype)
     if is_eagle3_folder(path):

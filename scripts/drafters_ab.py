@@ -1,12 +1,12 @@
-"""The two drafter families, A/B: Medusa-style heads vs the MTP module, against our serial and transformers.
+"""The drafters, A/B: Medusa-style heads, the MTP module and EAGLE-3's drafter, against our serial and transformers.
 
     python scripts/drafters_ab.py --prompts data/chat/dev_chat.jsonl --per-category 2 --out results/cpu/drafters
     python scripts/drafters_ab.py --prompts data/chat/heldout_chat.jsonl --per-category 2 --out results/cpu/drafters
 
-SmolLM2-135M-Instruct as the demo loads it (bf16 on a CPU), greedy, batch 1. Every prompt runs every configuration
-in turn (a slow spell of the machine hits all alike): transformers' greedy `generate` on the same weights, our
-serial loop, MTP with the shipped heads and MTP with the shipped module, each with its defaults (`generate(...,
-heads=...)`). Per configuration: decode tokens/s (decode tokens / decode seconds over the prompts), the ratios to
+SmolLM2-135M-Instruct in the demo's dtype (bf16 where the CPU multiplies it natively, else fp32; --dtype to choose),
+greedy, batch 1. Every prompt runs every configuration in turn (a slow spell of the machine hits all alike):
+transformers' greedy `generate` on the same weights, our serial loop, MTP with the shipped heads, the shipped module
+and an EAGLE-3 drafter folder (--eagle3, when it exists), each with its defaults (`generate(..., drafter=...)`). Per configuration: decode tokens/s (decode tokens / decode seconds over the prompts), the ratios to
 our serial and to transformers, τ, acceptance per depth (P(a step accepts >= d drafts)), verified nodes per step,
 the share of a step's time spent drafting, and how many outputs equal our serial's. Writes <out>/drafters.csv (one
 row per prompt and configuration) and prints the table.
@@ -23,9 +23,12 @@ from mtp_lab.bench.common import append_rows, env_info  # noqa: E402
 from mtp_lab.cli import add_common, command_parser  # noqa: E402
 from mtp_lab.records import md_table  # noqa: E402
 from mtp_lab.bench.hf_baseline import hf_twin  # noqa: E402
-from mtp_lab.bundle import SMOLLM2, encode, load_bundle, pick_prompts, read_prompts  # noqa: E402
+from mtp_lab.bundle import (DTYPES, SMOLLM2, command_dtype, encode, heads_dir_for, load_bundle,  # noqa: E402
+                            pick_prompts, read_prompts)
+from mtp_triton import load_drafter  # noqa: E402
 
-CONFIGS = ("transformers generate", "serial", "mtp: heads", "mtp: module")
+CONFIGS = ("transformers generate", "serial", "mtp: heads", "mtp: module", "mtp: eagle-3")
+EAGLE3 = os.path.join("data", "smollm2-135m-instruct-eagle3")
 
 
 def summary_lines(rows):
@@ -50,18 +53,26 @@ def summary_lines(rows):
 def main(argv=None):
     ap = command_parser("python scripts/drafters_ab.py", __doc__)
     ap.add_argument("--prompts", required=True, help="a chat prompts JSONL (id, category, text)")
+    ap.add_argument("--eagle3", default=EAGLE3, help="an EAGLE-3 drafter folder ('' or a missing folder: left out)")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                    help="default: bf16 where this CPU multiplies it natively, else fp32")
     add_common(ap, "per-category", "max-new-tokens", "out", max_new_tokens=128, out=os.path.join("out", "drafters"))
     a = ap.parse_args(argv)
-    model, heads, tok = load_bundle(SMOLLM2, drafter="medusa")
-    module = load_bundle(SMOLLM2, drafter="mtp")[1]
+    dtype, why = command_dtype(a.dtype, SMOLLM2)
+    print(f"dtype: {dtype} ({why})", flush=True)
+    model, heads, tok = load_bundle(SMOLLM2, drafter="medusa", dtype=dtype)
+    module = load_drafter(heads_dir_for(SMOLLM2, "mtp"), model.device, model.dtype)
+    eagle3 = load_drafter(a.eagle3, model.device, model.dtype) if a.eagle3 and os.path.isdir(a.eagle3) else None
     hf = hf_twin(model)
     rows_in = pick_prompts(read_prompts(a.prompts), a.per_category)
     ids = [encode(tok, r["text"]) for r in rows_in]
     eos, N = tok.eos_token_id, a.max_new_tokens
     name = os.path.basename(a.prompts).rsplit(".", 1)[0]
     cmd = "python scripts/drafters_ab.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    configs = [Config("serial", dict(mtp=False)), Config("mtp: heads", dict(heads=heads)),
-               Config("mtp: module", dict(heads=module)), Config("transformers generate", peer=True)]
+    configs = [Config("serial", dict(mtp=False)), Config("mtp: heads", dict(drafter=heads)),
+               Config("mtp: module", dict(drafter=module))]
+    configs += [Config("mtp: eagle-3", dict(drafter=eagle3))] if eagle3 is not None else []
+    configs += [Config("transformers generate", peer=True)]
     warm_up(model, ids[0], configs, hf=hf, eos=eos)                              # c(T): not timed
     env = dict(env_info(model.device), dtype=str(model.dtype).replace("torch.", ""),
                threads=torch.get_num_threads(), prompt_set=name, max_new_tokens=N, command=cmd)

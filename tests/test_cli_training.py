@@ -102,6 +102,7 @@ def test_aot_refuses_an_existing_file_as_out_before_compiling(tmp_path):
 # ---- atomic writes (issue item 1) -----------------------------------------------------------------------------
 OWNED = ["mtp_lab/train_heads.py", "mtp_lab/corpus.py", "scripts/render_readme_results.py",
          "data/smollm2-135m-instruct-heads/make_card.py", "data/smollm2-135m-instruct-mtp/make_card.py",
+         "data/smollm2-135m-instruct-eagle3/make_card.py",
          "data/tiny-stdlib-llama/make_card.py",
          "data/chat/make_prompts.py", "data/scenarios/make_scenarios.py"] + [
     f"mtp_lab/{d}/{f}" for d in ("training", "aot") for f in sorted(os.listdir(os.path.join(ROOT, "mtp_lab", d)))

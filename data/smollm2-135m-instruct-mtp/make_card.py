@@ -10,7 +10,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 
-from mtp_lab.bench.ab import summarise  # noqa: E402
+from mtp_lab.bench.ab import by_prompt_set as per_set, latest_runs as latest  # noqa: E402
 from mtp_lab.records import command_today, md_table, read_json, read_rows, write_text  # noqa: E402
 
 AB = os.path.join(ROOT, "results", "cpu", "drafters", "drafters.csv")
@@ -26,22 +26,6 @@ def load(path):
 
 def ab_rows():
     return read_rows(AB) if os.path.exists(AB) else []
-
-
-def latest(rows):
-    """Per prompt set, the rows of its latest run (by timestamp of the set's last row)."""
-    out = []
-    for ps in dict.fromkeys(r["prompt_set"] for r in rows):
-        mine = [r for r in rows if r["prompt_set"] == ps]
-        last = max(r["commit"] for r in mine[-1:])
-        out += [r for r in mine if r["commit"] == last]
-    return out
-
-
-def per_set(rows):
-    """{prompt set: {configuration: summary}} of the A/B rows (`mtp_lab.bench.ab.summarise`)."""
-    return {ps: summarise([r for r in rows if r["prompt_set"] == ps])
-            for ps in dict.fromkeys(r["prompt_set"] for r in rows)}
 
 
 def main():

@@ -184,3 +184,18 @@ def summarise(rows, reference=SERIAL, peer=PEER):
             energy_j=energy, tokens_per_j=sum(num(r, "new_tokens") for r in sel) / energy if energy else None,
             tree_size=sel[0].get("tree_nodes"), kernels=sel[0].get("kernels"))
     return table
+
+
+def latest_runs(rows):
+    """Per prompt set, the rows of its latest run (the commit of the set's last row), sets in their first order."""
+    out = []
+    for ps in dict.fromkeys(r["prompt_set"] for r in rows):
+        mine = [r for r in rows if r["prompt_set"] == ps]
+        out += [r for r in mine if r["commit"] == mine[-1]["commit"]]
+    return out
+
+
+def by_prompt_set(rows):
+    """{prompt set: {configuration: summary}} of A/B rows (`summarise` per prompt set)."""
+    return {ps: summarise([r for r in rows if r["prompt_set"] == ps])
+            for ps in dict.fromkeys(r["prompt_set"] for r in rows)}

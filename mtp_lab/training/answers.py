@@ -48,6 +48,12 @@ TRAIN_PROMPTS = (os.path.join("data", "chat", "train.jsonl"), os.path.join("data
 SHARD_FIELDS = ("id", "category", "mode", "prompt_ids", "answer_ids")       # what a shard row must hold
 
 
+def normalise(text):
+    """Case-folded, whitespace collapsed: the key for duplicates and held-out overlap (here, in `self_prompts` and
+    in `retree`)."""
+    return " ".join(text.casefold().split())
+
+
 def read_prompts(path, what="prompt file"):
     """Rows of a prompts JSONL (id, category, text, ...); a line without an id or a text string, a torn line, a file
     that is not UTF-8 or is missing: a ValueError naming `what` (the flag), the file and the line."""
@@ -246,7 +252,6 @@ def check_prompt_files(paths):
     """The prompt rows of `paths` (each row tagged with prompt_file: the path given). Refused with a ValueError
     naming the --prompts file: a tuning or held-out split (HELD_OUT, by name), a file holding any of their texts
     (whitespace and case aside), and an id that two rows share."""
-    from .self_prompts import normalise          # here: self_prompts imports this module
     held_names = {os.path.basename(h) for h in HELD_OUT}
     held = {normalise(r["text"]) for h in HELD_OUT if os.path.exists(h) for r in read_prompts(h, "held-out file")}
     rows, seen = [], {}

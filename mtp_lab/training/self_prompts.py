@@ -26,7 +26,7 @@ import torch
 
 from mtp_triton.generate import generate
 from ..records import open_log, read_jsonl
-from .answers import hf_answers
+from .answers import hf_answers, normalise  # noqa: F401  (normalise: `retree` takes it from here)
 
 # openers per category: the first words of a user's turn, the model writes the rest ("" = nothing: free Magpie)
 OPENERS = {
@@ -41,11 +41,6 @@ OPENERS = {
                    "From this paragraph, pull out", "Find the email addresses in this message:\n\n"],
 }
 SOURCE = "written by the model itself (Magpie-style: its chat template up to the user turn, sampled)"
-
-
-def normalise(text):
-    """Case-folded, whitespace collapsed: the key for duplicates and held-out overlap (here and in `retree`)."""
-    return " ".join(text.casefold().split())
 
 
 def repeats(text, n=3, times=3):
