@@ -232,3 +232,15 @@ def test_torn_files_are_refused(model, tmp_path):
     (tmp_path / "config.json").write_text("{")
     with pytest.raises(ValueError, match="not a readable JSON"):
         load_eagle3(str(tmp_path))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_eagle3_on_the_gpu_kernels_is_lossless():
+    """EAGLE-3's path with the Triton kernels (tree_attention and kv_append on its cache with attn_in, the taps of the
+    target's verify forward, fused_draft over its own LM head and d2t map): greedy output equals serial decoding."""
+    gpu = mt.LlamaEngine.from_hf(make_hf("gqa-hd16-v203-untied-L2"), device="cuda", dtype=torch.float32)
+    cpu = mt.LlamaEngine.from_hf(make_hf("gqa-hd16-v203-untied-L2"))
+    mod = random_eagle3(cpu, token_map=torch.arange(0, 203, 2), depth=3, top_k=4, beam=2, nodes=8).to("cuda")
+    serial = mt.generate(gpu, PROMPTS, 24, mtp=False, kernels="triton").tokens
+    assert mt.generate(gpu, PROMPTS, 24, drafter=mod, kernels="triton").tokens == serial
