@@ -11,6 +11,7 @@ from mtp_triton.drafters_mtp import ModuleDrafter
 from mtp_triton.eagle3 import Eagle3Module, default_taps, load_eagle3
 from mtp_triton.generate import causal_chains
 from hf_models import make_hf
+from test_mtp_module import perturbed
 
 PROMPTS = [[5, 17, 33, 42, 90, 1], [7, 8, 9], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
 TAPS = (0, 1, 2)                      # the tiny model has 2 layers: the embeddings, after layer 0, after layer 1
@@ -23,13 +24,7 @@ def model():
 
 def random_eagle3(model, seed=0, token_map=None, scale=0.3, taps=TAPS, **draft):
     """A drafter with random (not identity-like) weights, so that its drafts disagree with the model now and then."""
-    m = Eagle3Module.from_target(model, token_map, taps, draft or None).to(model.dtype)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() == 2:
-                p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale / p.shape[1] ** 0.5)
-    return m.eval()
+    return perturbed(Eagle3Module.from_target(model, token_map, taps, draft or None).to(model.dtype), seed, scale)
 
 
 @torch.no_grad()

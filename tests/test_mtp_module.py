@@ -23,7 +23,11 @@ def model():
 def random_module(model, seed=0, token_map=None, scale=0.3, **draft):
     """A module with random (not identity-like) weights, so its drafts disagree with the model now and then (more
     often, and with trees of other shapes from row to row, the larger `scale`)."""
-    m = MTPModule.from_target(model, token_map, draft or None).to(model.dtype)
+    return perturbed(MTPModule.from_target(model, token_map, draft or None).to(model.dtype), seed, scale)
+
+
+def perturbed(m, seed, scale):
+    """m with seeded noise of `scale` / sqrt(fan-in) added to every matrix, in eval mode."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in m.parameters():

@@ -199,3 +199,9 @@ def by_prompt_set(rows):
     """{prompt set: {configuration: summary}} of A/B rows (`summarise` per prompt set)."""
     return {ps: summarise([r for r in rows if r["prompt_set"] == ps])
             for ps in dict.fromkeys(r["prompt_set"] for r in rows)}
+
+
+# the chat prompt sets the drafter A/B measures, by the name its rows carry (prompt_set)
+PROMPT_SETS = {"dev_chat": "the tuning split (hand-written chat prompts, data/chat/dev_chat.jsonl)",
+               "heldout_chat": "the held-out chat prompts (data/chat/heldout_chat.jsonl; never used for a choice)",
+               "outside_chat": "chat prompts kept outside the repository, written before any result was seen"}

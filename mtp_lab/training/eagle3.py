@@ -180,7 +180,7 @@ def run(args):
                       lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16))
     records = args.records or os.path.join(args.out, "records")
     gen = torch.Generator().manual_seed(args.seed)
-    loop = Loop(module.parameters(), LoopConfig(steps=args.steps, max_minutes=args.minutes, lr=args.lr, warmup=50,
+    loop = Loop(module.parameters(), LoopConfig(steps=args.steps, max_minutes=args.minutes, lr=args.lr, warmup=args.warmup,
                                                 log_every=args.log_every, desc="eagle3", clip=1.0,
                                                 checkpoint=os.path.join(args.work, "eagle3-ckpt.pt"),
                                                 checkpoint_minutes=args.save_every_minutes),
@@ -261,7 +261,8 @@ def add_arguments(sp):
                     help="training time budget, summed over resumed runs")
     sp.add_argument("--steps", type=int_at_least(1), default=100000)
     sp.add_argument("--batch", type=int_at_least(1), default=8, help="sequences per step")
-    sp.add_argument("--lr", type=float_in(0, low_open=True), default=5e-4)
+    sp.add_argument("--lr", type=float_in(0, low_open=True), default=1e-3)
+    sp.add_argument("--warmup", type=int_at_least(0), default=20, help="steps of linear warm-up")
     sp.add_argument("--log-every", type=int_at_least(1), default=10)
     sp.add_argument("--eval-every", type=int_at_least(1), default=100, help="steps between held-back measurements")
     sp.add_argument("--val-limit", type=int_at_least(1), default=24, help="held-back answers per curve point")
