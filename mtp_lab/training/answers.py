@@ -278,13 +278,18 @@ def shard_todo(rows, folder, sample_share, seed):
     return [j for j in proportional(jobs(rows, sample_share, seed), seed) if (j[0]["id"], j[1]) not in have], have
 
 
+def utc_now():
+    """The time now, UTC, ISO 8601 to the second."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
 def gen_info(max_new_tokens, temperature, top_p, model, command=None):
-    """The `gen` dict every shard row carries: settings, machine, torch, commit, command, date (UTC)."""
+    """The `gen` dict every shard row carries: settings, machine, torch, commit (the checkout's when the run
+    started), command, date (UTC; `write_answer_shards` sets it to when the shard was begun)."""
     return dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                 dtype=str(model.dtype).replace("torch.", "") if hasattr(model, "dtype") else None,
                 threads=torch.get_num_threads(), device=device_name("cpu"),
-                torch=torch.__version__, commit=git_commit(), command=command,
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+                torch=torch.__version__, commit=git_commit(), command=command, date=utc_now())
 
 
 @torch.no_grad()
@@ -303,6 +308,7 @@ def write_answer_shards(model, tok, rows, folder, max_new_tokens=512, sample_sha
     paths = shard_paths(folder)
     nxt = int(os.path.basename(paths[-1])[:5]) + 1 if paths else 0
     eos, t0, last, written, shards = tok.eos_token_id, time.time(), 0.0, 0, 0
+    stamp = gen_info(max_new_tokens, temperature, top_p, model, command)     # the code that runs: read once
     log(f"{len(have)} answers in {len(paths)} shards; {len(todo)} to make")
     for window in windows(todo, shard_size):
         spent = time.time() - t0
@@ -312,7 +318,7 @@ def write_answer_shards(model, tok, rows, folder, max_new_tokens=512, sample_sha
         t1 = time.time()
         enc = encode(tok, window, max_prompt_tokens)
         lengths = {i: len(p) for i, p in enc.items()}
-        gen = gen_info(max_new_tokens, temperature, top_p, model, command)
+        gen = dict(stamp, date=utc_now())
         out = []
         for part in batches_of(window, lengths, batch):
             answers = answer_batch(model, part, enc, max_new_tokens, eos, temperature, top_p)
