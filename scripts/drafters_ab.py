@@ -53,7 +53,7 @@ def summary_lines(rows):
 def main(argv=None):
     ap = command_parser("python scripts/drafters_ab.py", __doc__)
     ap.add_argument("--prompts", required=True, help="a chat prompts JSONL (id, category, text)")
-    ap.add_argument("--eagle3", default=EAGLE3, help="an EAGLE-3 drafter folder ('' or a missing folder: left out)")
+    ap.add_argument("--eagle3", default=EAGLE3, help="an EAGLE-3 drafter folder ('' or a folder without weights: left out)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                     help="default: bf16 where this CPU multiplies it natively, else fp32")
     add_common(ap, "per-category", "max-new-tokens", "out", max_new_tokens=128, out=os.path.join("out", "drafters"))
@@ -62,7 +62,9 @@ def main(argv=None):
     print(f"dtype: {dtype} ({why})", flush=True)
     model, heads, tok = load_bundle(SMOLLM2, drafter="medusa", dtype=dtype)
     module = load_drafter(heads_dir_for(SMOLLM2, "mtp"), model.device, model.dtype)
-    eagle3 = load_drafter(a.eagle3, model.device, model.dtype) if a.eagle3 and os.path.isdir(a.eagle3) else None
+    has_eagle3 = a.eagle3 and os.path.exists(os.path.join(a.eagle3, "config.json")) and any(
+        os.path.exists(os.path.join(a.eagle3, f)) for f in ("model.safetensors", "pytorch_model.bin"))
+    eagle3 = load_drafter(a.eagle3, model.device, model.dtype) if has_eagle3 else None
     hf = hf_twin(model)
     rows_in = pick_prompts(read_prompts(a.prompts), a.per_category)
     ids = [encode(tok, r["text"]) for r in rows_in]

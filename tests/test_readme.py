@@ -33,7 +33,8 @@ def test_the_newest_run_wins_whatever_its_commit_or_id():
         assert {r["commit"] for r in render._latest(rows, key)} == {"85cfe57"}, key
 
 
-@pytest.mark.parametrize("card", ["smollm2-135m-instruct-heads", "smollm2-135m-instruct-mtp", "tiny-stdlib-llama"])
+@pytest.mark.parametrize("card", ["smollm2-135m-instruct-heads", "smollm2-135m-instruct-mtp", "smollm2-135m-instruct-eagle3",
+                                  "smollm2-135m-instruct-answers", "tiny-stdlib-llama"])
 def test_data_cards_match_their_records(card, monkeypatch):
     """Each data card (data/<card>/README.md) is what its make_card.py renders from the records and rows now (the
     heads' card once kept an older demo run's numbers): rendered in memory, nothing written, plots not redrawn."""
