@@ -6,7 +6,8 @@
 SmolLM2-135M-Instruct in the demo's dtype (bf16 where the CPU multiplies it natively, else fp32; --dtype to choose),
 greedy, batch 1. Every prompt runs every configuration in turn (a slow spell of the machine hits all alike):
 transformers' greedy `generate` on the same weights, our serial loop, MTP with the shipped heads, the shipped module
-and an EAGLE-3 drafter folder (--eagle3, when it exists), each with its defaults (`generate(..., drafter=...)`). Per configuration: decode tokens/s (decode tokens / decode seconds over the prompts), the ratios to
+and an EAGLE-3 drafter folder (--eagle3, when it exists), each with its defaults (`generate(..., drafter=...)`).
+Per configuration: decode tokens/s (decode tokens / decode seconds over the prompts), the ratios to
 our serial and to transformers, τ, acceptance per depth (P(a step accepts >= d drafts)), verified nodes per step,
 the share of a step's time spent drafting, and how many outputs equal our serial's. Writes <out>/drafters.csv (one
 row per prompt and configuration) and prints the table.
@@ -53,7 +54,8 @@ def summary_lines(rows):
 def main(argv=None):
     ap = command_parser("python scripts/drafters_ab.py", __doc__)
     ap.add_argument("--prompts", required=True, help="a chat prompts JSONL (id, category, text)")
-    ap.add_argument("--eagle3", default=EAGLE3, help="an EAGLE-3 drafter folder ('' or a folder without weights: left out)")
+    ap.add_argument("--eagle3", default=EAGLE3,
+                    help="an EAGLE-3 drafter folder ('' or a folder without weights: left out)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                     help="default: bf16 where this CPU multiplies it natively, else fp32")
     add_common(ap, "per-category", "max-new-tokens", "out", max_new_tokens=128, out=os.path.join("out", "drafters"))

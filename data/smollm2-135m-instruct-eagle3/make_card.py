@@ -1,5 +1,5 @@
-"""Render README.md (the EAGLE-3 drafter's card) from config.json, records/ and the drafters A/B rows — no number typed
-by hand.
+"""Render README.md (the EAGLE-3 drafter's card) from config.json, records/ and the drafters A/B rows — no number
+typed by hand.
 
     python data/smollm2-135m-instruct-eagle3/make_card.py
 """
@@ -66,7 +66,8 @@ def decoding(rows):
     goal = [(ps, t[OURS]) for ps, t in table.items() if OURS in t]
     if goal:
         checks = [("τ ≥ 3.0 (≤ 32 nodes)", lambda ps, s: (f"{s['tau']:.2f}", s["tau"] >= 3.0)),
-                  ("depth-1 acceptance ≥ 80 %", lambda ps, s: (f"{100 * s['accept'][0]:.0f} %", s["accept"][0] >= 0.8)),
+                  ("depth-1 acceptance ≥ 80 %",
+                   lambda ps, s: (f"{100 * s['accept'][0]:.0f} %", s["accept"][0] >= 0.8)),
                   ("≥ 2.0× our serial, identical output", lambda ps, s: (
                       f"{s['vs_serial']:.2f}×, {s['identical']}/{s['prompts']}",
                       s["vs_serial"] >= 2.0 and s["identical"] == s["prompts"])),

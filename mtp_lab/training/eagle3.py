@@ -180,7 +180,8 @@ def run(args):
                       lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16))
     records = args.records or os.path.join(args.out, "records")
     gen = torch.Generator().manual_seed(args.seed)
-    loop = Loop(module.parameters(), LoopConfig(steps=args.steps, max_minutes=args.minutes, lr=args.lr, warmup=args.warmup,
+    loop = Loop(module.parameters(), LoopConfig(steps=args.steps, max_minutes=args.minutes, lr=args.lr,
+                                                warmup=args.warmup,
                                                 log_every=args.log_every, desc="eagle3", clip=1.0,
                                                 checkpoint=os.path.join(args.work, "eagle3-ckpt.pt"),
                                                 checkpoint_minutes=args.save_every_minutes),
