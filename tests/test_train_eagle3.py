@@ -74,7 +74,7 @@ def test_positions_whose_target_choice_is_outside_the_vocabulary_are_not_scored(
     module = Eagle3Module.from_target(model, torch.arange(0, 4096, 2), (2, 2, 1))
     t = recipe.Trainer(model, module, [], [], 64, 2, lambda: torch.autocast("cpu", enabled=False))
     seqs = [[3, 9, 27, 81, 40, 120, 7, 77, 5, 11]]
-    feats, logits_v, choice, ids = recipe.target_pass(model, seqs, (2, 2, 1), t.lm_v)
+    feats, logits_v, choice, ids = recipe.target_pass(model, seqs, (2, 2, 1), t.token_map)
     _, parts = recipe.batch_losses(module, t.embed, feats, logits_v, choice, ids, [10], [4], 2, t.index_of)
     nxt_choice = choice[0, 1:]                                            # the target's choice for token m + 2
     m = torch.arange(9)

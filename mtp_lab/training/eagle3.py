@@ -72,17 +72,21 @@ def sequences(rows, max_len):
 
 
 @torch.no_grad()
-def target_pass(model, seqs, taps, lm_v):
+def target_pass(model, seqs, taps, token_map):
     """The frozen target over a padded batch: feats [B, S, len(taps) D] (fp32) at the taps, its logits over the
-    draft vocabulary [B, S, V'] (lm_v [V', D] the LM head's draft rows), its choice over the whole vocabulary
-    [B, S], and ids [B, S] (padding 0)."""
+    draft vocabulary `token_map` [B, S, V'], its choice over the whole vocabulary [B, S], and ids [B, S] (padding 0).
+    The LM head runs once, one row at a time ([S, V] each): the draft logits are its columns token_map."""
     tokens, positions, mask, _ = causal_chains(seqs, model.device)
     B, S = tokens.shape
     h, _, _, feats = model.forward_tree(tokens, positions, mask, model.new_cache([S] * B),
                                         torch.arange(B, device=model.device), get_ops("torch", model.device),
                                         check_values=False, exact=False, taps=taps)
-    choice = torch.stack([model.logits(row).argmax(-1) for row in h])                 # one row at a time: [S, V]
-    return feats.float(), (h @ lm_v.T).float(), choice, tokens
+    logits_v, choice = [], []
+    for row in h:
+        full = model.logits(row).float()                                               # [S, V]
+        choice.append(full.argmax(-1))
+        logits_v.append(full[:, token_map])
+    return feats.float(), torch.stack(logits_v), torch.stack(choice), tokens
 
 
 def batch_losses(module, embed, feats, logits_v, choice, ids, lens, starts, steps, index_of):
@@ -124,7 +128,7 @@ class Trainer:
         self.model, self.module, self.unroll, self.autocast = model, module, unroll, autocast
         self.taps = module.taps
         self.embed = model.embed_tokens.weight.detach()
-        self.lm_v = model.lm_head.weight.detach()[module.token_map]
+        self.token_map = module.token_map
         V = model.config.vocab_size
         self.index_of = torch.full((V,), -1, dtype=torch.int64).index_copy_(
             0, module.token_map, torch.arange(len(module.token_map)))
@@ -132,7 +136,7 @@ class Trainer:
         self.val_seqs, self.val_starts = sequences([r for r in val_rows if r["mode"] == "greedy"], max_len)
 
     def losses(self, seqs, starts):
-        feats, logits_v, choice, ids = target_pass(self.model, seqs, self.taps, self.lm_v)
+        feats, logits_v, choice, ids = target_pass(self.model, seqs, self.taps, self.token_map)
         with self.autocast():
             return batch_losses(self.module, self.embed.float(), feats, logits_v, choice, ids,
                                 [len(s) for s in seqs], starts, self.unroll, self.index_of)
