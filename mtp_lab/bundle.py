@@ -9,12 +9,12 @@ import sys
 
 import torch
 
-from mtp_triton.loading import load_model, load_tokenizer
+from mtp_triton.loading import load_model, load_tokenizer, resolve
 from mtp_triton.ops import native_bf16
 from mtp_triton.mtp_module import MTPModule, is_module_folder, load_drafter
 from mtp_triton.policy import RuntimeConfig
 from mtp_triton.tree import PRESETS, Tree, get_tree, is_tree_name
-from mtp_triton.tuning import best_tree
+from .training.measure import best_tree
 from .records import read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))                      # the repository
@@ -146,7 +146,7 @@ def pick_tree(arg, heads, heads_dir=None, model=None, kernels="auto", log=sys.st
 
         'stored'   the tree saved with the heads; without one, 'tuned'
         'auto'     tuned now to the heads' accuracies and this machine's measured step costs
-                   (`mtp_triton.tuning.best_tree`; needs `model`); without accuracies or a model, 'tuned'
+                   (`training.measure.best_tree`; needs `model`); without accuracies or a model, 'tuned'
         any other  `mtp_triton.tree.get_tree`'s names ('tuned': to heads_dir/accuracy.json with the budget stored
                    there, 'tuned-N', a preset, 'chain-N', 'width-K')
     The MTP module draws its own dynamic tree every step: None ('stored' only)."""
@@ -233,3 +233,17 @@ def reproducible_runtime(temperature, seed, **settings):
     if temperature > 0 and seed is not None:
         settings["size_by_cost"] = False
     return RuntimeConfig(**settings) if settings else None
+
+
+def transformers_model(name_or_path, dtype=torch.float32, device="cpu"):
+    """The same checkpoint as transformers' own *ForCausalLM (the external baseline; also a fast batch decoder for
+    training data on a CPU)."""
+    from transformers import AutoModelForCausalLM
+
+    kind, where = resolve(name_or_path)
+    if kind == "gguf":
+        folder, name = os.path.split(os.path.abspath(where))
+        hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(where, dtype=dtype)
+    return hf.to(device).eval()

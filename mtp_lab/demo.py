@@ -29,7 +29,11 @@ from .bundle import (CHAT_PROMPTS, command_dtype, PROMPTS, SMOLLM2, check_tree_n
                      describe_drafter, encode, generate_tree, heads_dir_for, load_bundle, pick_prompts, pick_tree,
                      read_prompts, tree_size)
 from mtp_triton.sampling import check_seed, check_temperature
-from mtp_triton.stats import format_tau
+
+
+def format_tau(tau):
+    """tau for a person: two decimals, or 'n/a (no verify step)' when the run had none (a 1-token output)."""
+    return "n/a (no verify step)" if tau != tau else f"{tau:.2f}"
 
 def configs(heads, tree, kernels, runtime=None):
     """The demo's configurations (bench.ab), in the order each prompt runs them: our serial loop, MTP (tree None: the

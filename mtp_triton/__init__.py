@@ -1,9 +1,9 @@
 """mtp_triton — Multi-Token Prediction speculative decoding with handwritten Triton kernels.
 
 Public names: the Triton kernels at the top level, their PyTorch twins in `mtp_triton.reference`, the engine
-(`load_model`), drafters (MTP heads, the MTP module, EAGLE-3's drafter: `load_drafter`), trees and `generate`. Importing the package imports no Triton kernel and changes no
-environment variable; kernel modules load on first use. To run the kernels on a CPU-only machine (in Triton's
-interpreter), call `mtp_triton.use_interpreter()` first.
+(`load_model`), drafters (MTP heads, the MTP module, EAGLE-3's drafter: `load_drafter`), trees and `generate`.
+Importing the package imports no Triton kernel and changes no environment variable; kernel modules load on first
+use. To run the kernels on a CPU-only machine (in Triton's interpreter), call `mtp_triton.use_interpreter()` first.
 """
 from . import reference
 from .generate import GenerateResult, RuntimeConfig, generate

@@ -1,8 +1,9 @@
 """The compiled CPU step: the decoder layer (`model.layer`) through `torch.compile`'s inductor C++ backend.
 
 Why. On a CPU a small model's decode step is dominated by dispatch, not by arithmetic or memory: SmolLM2-135M's
-eager step makes one matmul call per linear layer (on prepacked weights) and thousands of small ATen calls (views, copies, norms, RoPE, the batch-invariant attention's gathers), each a few microseconds. Inductor
-fuses the element-wise work of a layer into a handful of C++ loops and leaves the matmuls to oneDNN.
+eager step makes one matmul call per linear layer (on prepacked weights) and thousands of small ATen calls (views,
+copies, norms, RoPE, the batch-invariant attention's gathers), each a few microseconds. Inductor fuses the element-wise
+work of a layer into a handful of C++ loops and leaves the matmuls to oneDNN.
 
 What is compiled: one function, `model.layer`, the same for all L layers (its weights are inputs, not constants),
 so one compiled graph serves every layer of the target and the MTP module's block. Shapes are dynamic (the node

@@ -8,7 +8,7 @@ the exact path's one-node step differs from a tree step (packed.py, invariant.py
 depends on the machine, the dtype and the model — the "candidate count adjusted to the chip's load" of an
 MTP-on-NPU engineering report (BM1684), made concrete.
 
-`step_costs` times c(T) at a few sizes with `tuning.step_cost` (the one verify-step timer) and interpolates
+`step_costs` times c(T) at a few sizes with `step_cost` (the one verify-step timer) and interpolates
 linearly in between; the table is cached in $MTP_TRITON_CACHE (default ~/.cache/mtp-triton)/step_costs.json, one
 entry per (CPU or GPU, threads, torch, dtype, model shape, kernels, batch, and the package code: a changed engine
 costs otherwise), so only a machine's first run with a given version of the code pays the few seconds of measuring
@@ -34,12 +34,13 @@ import functools
 import json
 import math
 import os
+import statistics
 import sys
+import time
 import warnings
 
 import torch
 
-from . import tuning
 from .ops import cpu_model_and_flags, device_name, get_ops
 from .packed import packs
 from .files import write_json
@@ -68,8 +69,9 @@ def machine_key(model, kernels, batch):
     shape = (f"L{c.num_hidden_layers} D{c.hidden_size} F{c.intermediate_size} Hq{c.num_attention_heads} "
              f"Hkv{c.num_key_value_heads} Dh{c.head_dim} V{c.vocab_size}")
     kind = f"kernels {kernels}" + (" packed" if packs(model) else "")
-    return " | ".join([device_name(model.device), cpu, f"threads {torch.get_num_threads()}", f"torch {torch.__version__}",
-                       str(model.dtype).replace("torch.", ""), shape, kind, f"batch {batch}", f"code {_code()}"])
+    return " | ".join([device_name(model.device), cpu, f"threads {torch.get_num_threads()}",
+                       f"torch {torch.__version__}", str(model.dtype).replace("torch.", ""), shape, kind,
+                       f"batch {batch}", f"code {_code()}"])
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,8 +84,8 @@ class StepCosts:
 
     def __init__(self, sizes, seconds, source="measured"):
         sizes, seconds = list(sizes), list(seconds)
-        if (not sizes or any(isinstance(n, bool) or not isinstance(n, int) for n in sizes) or sizes != sorted(set(sizes))
-                or sizes[0] != 1 or sizes[-1] > MAX_SIZE or len(sizes) != len(seconds)):
+        if (not sizes or any(isinstance(n, bool) or not isinstance(n, int) for n in sizes)
+                or sizes != sorted(set(sizes)) or sizes[0] != 1 or sizes[-1] > MAX_SIZE or len(sizes) != len(seconds)):
             raise ValueError(f"StepCosts: sizes must be ints from 1 up to {MAX_SIZE}, increasing, one time each; got "
                              f"{sizes}, {seconds}")
         if any(isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0
@@ -152,7 +154,7 @@ def step_costs(model, max_nodes, kernels="auto", batch=1, path=None):
     sizes = sorted({n for n in SIZES if n < max_nodes} | {max_nodes})
     print(f"mtp_triton: measuring this machine's verify-step costs c(T) for T in {sizes} once (a few seconds; cached "
           f"in {path}, then corrected by every step)", file=sys.stderr)
-    seconds = tuning.step_cost(model, [Tree.chain(n - 1) for n in sizes], batch=batch, kernels=kernels)
+    seconds = step_cost(model, [Tree.chain(n - 1) for n in sizes], batch=batch, kernels=kernels)
     costs = StepCosts(sizes, seconds, f"measured now, cached in {path}")
     table = _read(path)
     table[key] = costs.as_dict()
@@ -212,3 +214,47 @@ def live_costs(model, max_nodes, kernels="auto", batch=1, path=None):
             fresh.sums, fresh.a, fresh.b, fresh.steps = live.sums, live.a, live.b, live.steps
         live = _LIVE[key] = fresh
     return live
+
+
+@torch.no_grad()
+def step_cost(model, trees, batch=1, context=256, kernels="auto", reps=5):
+    """Median seconds of one verify step (forward over T nodes + logits) for each tree, on random tokens.
+
+    The trees are timed in interleaved rounds (each round runs every tree once), so a slow spell of a shared
+    machine slows every tree's samples alike instead of one tree's; each tree's median is over its `reps` rounds."""
+    dev = model.device
+    ops = get_ops(kernels, dev)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    context = min(context, model.config.max_position_embeddings - max(t.size for t in trees) - 1)
+    cache = model.new_cache([context + max(t.size for t in trees)] * batch)
+    cache.cache_lens.fill_(context)
+    rows = torch.arange(batch, device=dev)
+    runs = []
+    for tree in trees:
+        tree = tree.to(dev)
+        tokens = torch.randint(0, model.config.vocab_size, (batch, tree.size), generator=g).to(dev)
+        positions = context + tree.depth[None, :].expand(batch, -1)
+
+        def run(tokens=tokens, positions=positions, mask=tree.mask):
+            h, _, _ = model.forward_tree(tokens, positions, mask, cache, rows, ops, check_values=False)
+            model.logits(h, model.exact_mode(ops))                    # as step.verify
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+
+        runs.append(run)
+    return interleaved_medians(runs, reps)
+
+
+def interleaved_medians(runs, reps):
+    """Median seconds of each function of `runs` after one warm-up call (kernel compiles), timed in interleaved
+    rounds: each round calls every function once, so a slow spell of a shared machine slows every one's samples
+    alike instead of one's; each median is over its `reps` rounds."""
+    for run in runs:
+        run()
+    times = [[] for _ in runs]
+    for _ in range(reps):
+        for run, ts in zip(runs, times):
+            t0 = time.perf_counter()
+            run()
+            ts.append(time.perf_counter() - t0)
+    return [statistics.median(ts) for ts in times]

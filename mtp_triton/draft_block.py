@@ -24,7 +24,10 @@ class DraftBlock(nn.Module):
         recurrent             a module, y -> r: the state a deeper node reads, from the block's output y (the
                               engine's final norm)
         head_input(r) -> z    what the LM-head rows (`lm_rows`) score
+        taps                  the target layers whose residual streams make h: () the final hidden state; None
+                              EAGLE-3's default three (`eagle3.default_taps`)
     """
+    taps = ()
 
     def _setup(self, cfg, draft):
         last = None if cfg.layer_types is None else (cfg.layer_types[-1],)

@@ -218,9 +218,9 @@ class HeadsDrafter(Drafter):
         return self.fused_draft(x, w, b, lm, k, token_map=self.token_map, check_values=False)   # checked on load
 
     def _plan(self, tree, device):
-        """Per depth d = 1 .. max_depth: (nodes at d [n], their parents at d - 1 without repeats [p], each node's slot in
-        that list [n], each node's rank [n], top-k needed, ancestors [Q', p]: the nodes at depths d-1, d-2, .. of each
-        parent's path, nearest first (Q' = min(d - 1, Q))). Computed once per tree."""
+        """Per depth d = 1 .. max_depth: (nodes at d [n], their parents at d - 1 without repeats [p], each node's slot
+        in that list [n], each node's rank [n], top-k needed, ancestors [Q', p]: the nodes at depths d-1, d-2, .. of
+        each parent's path, nearest first (Q' = min(d - 1, Q))). Computed once per tree."""
         key = (tree.paths, str(device))
         if key not in self._plans:
             parents, depth, rank = tree.parents.tolist(), tree.depth.tolist(), tree.rank.tolist()

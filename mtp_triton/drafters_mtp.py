@@ -59,8 +59,7 @@ class ModuleDrafter(Drafter):
         self.depth, self.top_k, self.beam, self.nodes = d["depth"], d["top_k"], d["beam"], d["nodes"]
         self.num_heads = self.depth                      # the deepest node: the runtime policy's depth limit
         L = cfg.num_hidden_layers
-        taps = getattr(module, "taps", ())               # EAGLE-3's: the target layers it reads (None: its default)
-        self.taps = default_taps(L) if taps is None else tuple(taps)
+        self.taps = default_taps(L) if module.taps is None else tuple(module.taps)   # the target layers it reads
         if any(not 0 <= j <= L for j in self.taps):
             raise ValueError(f"ModuleDrafter: the drafter reads target layers {list(self.taps)}, the model has {L}")
         dev, dt = model.device, model.dtype

@@ -177,7 +177,8 @@ def generate(model, prompts, max_new_tokens, *, drafter=None, heads=None, mtp=Tr
 
 def _drafter(drafter, heads, mtp, model, ops):
     """generate's drafter= / heads= (its older name) -> one `Drafter`: a Drafter as it is, MTP heads -> HeadsDrafter,
-    an MTP module or EAGLE-3 drafter -> ModuleDrafter; mtp=False or neither -> SerialDrafter (the one-node tree every step)."""
+    an MTP module or EAGLE-3 drafter -> ModuleDrafter; mtp=False or neither -> SerialDrafter (the one-node tree every
+    step)."""
     if drafter is not None and heads is not None:
         raise ValueError("generate: pass the drafter once, as drafter= (heads= is its older name), not both")
     given = heads if drafter is None else drafter
@@ -256,7 +257,8 @@ def _stop_ids(eos_token_id, vocab_size):
     out = set()
     for t in ids:
         if isinstance(t, bool) or not hasattr(t, "__index__"):
-            raise ValueError(f"eos_token_id must be None, an int, a list of ints or an int tensor; got {eos_token_id!r}")
+            raise ValueError(f"eos_token_id must be None, an int, a list of ints or an int tensor; got "
+                             f"{eos_token_id!r}")
         t = int(t.__index__())
         if not 0 <= t < vocab_size:
             raise ValueError(f"eos_token_id {t} is out of the vocabulary range [0, {vocab_size})")

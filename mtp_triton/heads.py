@@ -32,7 +32,8 @@ Two optional extras travel with the heads:
 
 Files:
   ours    a folder with heads.safetensors (res_weight [H, D, D], res_bias [H, D]; optional lm_head [H, V, D],
-          token_map [V'] int64, root_proj [D, D], token_proj [Q, D, D]) and heads.json (num_heads, hidden_size, format, optional tree, free metadata);
+          token_map [V'] int64, root_proj [D, D], token_proj [Q, D, D]) and heads.json (num_heads, hidden_size,
+          format, optional tree, free metadata);
   Medusa  medusa_lm_head.safetensors or medusa_lm_head.pt: the state dict of
           nn.ModuleList([nn.Sequential(ResBlock(D), nn.Linear(D, V, bias=False)) for each head]), i.e. keys
           {i}.0.linear.weight [D, D], {i}.0.linear.bias [D], {i}.1.weight [V, D] (ResBlock(x) = x + silu(Wx + b));
@@ -283,8 +284,8 @@ def _read(file):
         except Exception as e:        # a corrupted file makes the unpickler raise nearly anything (IndexError, ...)
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise ValueError(f"load_heads: {file} is not a plain state dict of tensors (torch.load(weights_only="
-                             f"True) refused it: {' '.join(str(first).split())}); the file may be truncated or corrupted, or "
-                             "hold more than tensors") from None
+                             f"True) refused it: {' '.join(str(first).split())}); the file may be truncated or "
+                             "corrupted, or hold more than tensors") from None
         if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
             raise ValueError(f"load_heads: {file} must hold a state dict (name -> tensor), got {type(sd).__name__}")
         return dict(sd)

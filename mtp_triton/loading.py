@@ -193,17 +193,3 @@ def load_tokenizer(name_or_path):
         return AutoTokenizer.from_pretrained(where)
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"load_tokenizer: no usable tokenizer in {where!r} ({e})") from None
-
-
-def transformers_model(name_or_path, dtype=torch.float32, device="cpu"):
-    """The same checkpoint as transformers' own *ForCausalLM (the external baseline; also a fast batch decoder for
-    training data on a CPU)."""
-    from transformers import AutoModelForCausalLM
-
-    kind, where = resolve(name_or_path)
-    if kind == "gguf":
-        folder, name = os.path.split(os.path.abspath(where))
-        hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
-    else:
-        hf = AutoModelForCausalLM.from_pretrained(where, dtype=dtype)
-    return hf.to(device).eval()

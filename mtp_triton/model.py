@@ -258,8 +258,8 @@ class LlamaEngine(nn.Module):
             # (a graph for B > 1 may vectorise and split its loops otherwise than the B = 1 graph)
             one = [self.forward_tree(None if tokens is None else tokens[b:b + 1], positions[b:b + 1],
                                      tree_mask[b] if tree_mask.dim() == 3 else tree_mask, cache, rows[b:b + 1], ops,
-                                     check_values, exact, *(None if t is None else t[b:b + 1] for t in (embeds, attn_in)),
-                                     taps)
+                                     check_values, exact,
+                                     *(None if t is None else t[b:b + 1] for t in (embeds, attn_in)), taps)
                    for b in range(B)]
             return tuple(torch.cat(parts, 1 if i in (1, 2) else 0) for i, parts in enumerate(zip(*one)))
         block_table, cache_lens = cache.block_table[rows], cache.cache_lens[rows]

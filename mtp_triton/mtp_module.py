@@ -74,7 +74,8 @@ class MTPModule(DraftBlock):
         return m.float()
 
     def inputs(self, embed, h, tokens):
-        """u = W_fc [enorm(E x); hnorm(h)]: embed [V, D] the target's embedding, h [..., D], tokens [...] -> [..., D]."""
+        """u = W_fc [enorm(E x); hnorm(h)]: embed [V, D] the target's embedding, h [..., D], tokens [...] ->
+        [..., D]."""
         e = embed[tokens].to(h.dtype)
         return self.fc(torch.cat([self.enorm(e), self.hnorm(h)], -1))
 

@@ -50,11 +50,6 @@ class GenerateStats:
         return dataclasses.asdict(self)
 
 
-def format_tau(tau):
-    """tau for a person: two decimals, or 'n/a (no verify step)' when the run had none (a 1-token output)."""
-    return "n/a (no verify step)" if tau != tau else f"{tau:.2f}"
-
-
 def percentile(xs, q):
     """The q-th percentile by the nearest-rank rule (no interpolation); None for an empty list."""
     if not xs:

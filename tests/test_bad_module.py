@@ -73,8 +73,8 @@ def test_module_json_rope_scaling_is_checked_when_it_loads(saved, tmp_path, rope
 def test_a_tree_larger_than_the_context_is_refused_before_any_work(monkeypatch):
     """with_draft(nodes=2100) on a 2048-context model failed after a minute of measuring step costs with a RuntimeError
     from torch.arange; a fixed tree of 99,999 nodes tried to allocate 640 GB. Both are refused at once."""
-    import mtp_triton.tuning as tuning
-    monkeypatch.setattr(tuning, "step_cost", lambda *a, **k: pytest.fail("step costs measured before the refusal"))
+    import mtp_triton.costs as costs
+    monkeypatch.setattr(costs, "step_cost", lambda *a, **k: pytest.fail("step costs measured before the refusal"))
     model = mt.LlamaEngine.from_hf(make_hf("gqa-hd16-v203-untied-L2"))
     ctx = model.config.max_position_embeddings
     with pytest.raises(ValueError, match="more than the model's context length"):

@@ -33,10 +33,9 @@ def test_step_costs_are_measured_once_then_read_from_the_cache(case, tmp_path, m
     model = case[0]
     path = str(tmp_path / "sub" / "step_costs.json")
     calls = []
-    import mtp_triton.tuning as tuning
     # plausible times (c(T) / c(1) in bounds): one timing of the tiny model can be all noise, and an implausible
     # table is measured again, which is another test's business
-    monkeypatch.setattr(tuning, "step_cost", lambda m, trees, **kw: calls.append([t.size for t in trees])
+    monkeypatch.setattr(costs, "step_cost", lambda m, trees, **kw: calls.append([t.size for t in trees])
                         or [0.001 * (1 + 0.05 * t.size) for t in trees])
     first = step_costs(model, 17, path=path)
     assert calls == [[1, 2, 4, 8, 16, 17]] and first.sizes == [1, 2, 4, 8, 16, 17]
@@ -83,8 +82,7 @@ def test_live_costs_follow_the_machine_and_forget_a_busy_spell():
 def test_generate_feeds_the_live_costs_and_keeps_them_for_the_process(case, tmp_path, monkeypatch):
     model, prompts = case[0], case[1]
     monkeypatch.setenv("MTP_TRITON_CACHE", str(tmp_path))
-    import mtp_triton.tuning as tuning
-    monkeypatch.setattr(tuning, "step_cost", lambda m, trees, **kw: [0.01 * (1 + 0.1 * t.size) for t in trees])
+    monkeypatch.setattr(costs, "step_cost", lambda m, trees, **kw: [0.01 * (1 + 0.1 * t.size) for t in trees])
     heads = mt.init_heads(model, num_heads=3, seed=0)
     run = lambda: mt.generate(model, prompts[:1], 12, heads=heads, runtime=RuntimeConfig(size_by_cost=True))
     run()
@@ -111,10 +109,9 @@ def test_an_implausible_stored_table_is_measured_again_and_replaced(case, tmp_pa
     key = costs.machine_key(model, mt.ops.get_ops("auto", model.device).kind, 1)
     with open(path, "w") as f:
         json.dump({key: dict(sizes=sizes, seconds=secs)}, f)
-    import mtp_triton.tuning as tuning
     calls = []
-    real = tuning.step_cost
-    monkeypatch.setattr(tuning, "step_cost", lambda m, trees, **kw: calls.append(1) or real(m, trees, reps=1, **kw))
+    real = costs.step_cost
+    monkeypatch.setattr(costs, "step_cost", lambda m, trees, **kw: calls.append(1) or real(m, trees, reps=1, **kw))
     c = step_costs(model, 8, path=path)
     assert calls == [1] and "measured now" in c.source
     assert json.load(open(path))[key]["sizes"] == [1, 2, 4, 8]
@@ -125,10 +122,9 @@ def test_an_unwritable_cache_is_measured_once_per_process_with_a_warning(case, t
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
     path = str(blocker / "step_costs.json")                                # its folder cannot be made
-    import mtp_triton.tuning as tuning
     calls = []
-    real = tuning.step_cost
-    monkeypatch.setattr(tuning, "step_cost", lambda m, trees, **kw: calls.append(1) or real(m, trees, reps=1, **kw))
+    real = costs.step_cost
+    monkeypatch.setattr(costs, "step_cost", lambda m, trees, **kw: calls.append(1) or real(m, trees, reps=1, **kw))
     with pytest.warns(UserWarning, match="cannot write"):
         first = step_costs(model, 8, path=path)
     again = step_costs(model, 8, path=path)

@@ -19,7 +19,7 @@ import mtp_triton as mt
 from mtp_lab.bench import ab, e2e, profile_step, tables
 from mtp_lab.bench.ab import SERIAL, Config, run_prompts
 from mtp_triton.tree import Tree
-from mtp_triton.tuning import step_cost
+from mtp_triton.costs import step_cost
 from hf_models import make_hf
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -135,7 +135,7 @@ def test_ab_rows_keep_the_callers_fields(tiny):
 
 
 def test_verify_step_timer_runs(tiny):
-    """The tables' c(T) comes from the one verify-step timer, `tuning.step_cost`."""
+    """The tables' c(T) comes from the one verify-step timer, `costs.step_cost`."""
     model, _ = tiny
     t1, t9 = step_cost(model, [Tree.root_only(), Tree.chain(8)], context=9)
     assert t1 > 0 and t9 > 0

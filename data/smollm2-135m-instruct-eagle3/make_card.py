@@ -11,7 +11,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 
-from mtp_lab.bench.ab import PROMPT_SETS as SETS, by_prompt_set, latest_runs, summarise  # noqa: E402
+from mtp_lab.bench.ab import PROMPT_SETS as SETS, decoding_section, goals_section, latest_runs, summarise  # noqa: E402
 from mtp_lab.records import command_today, md_table, read_json, read_rows, write_text  # noqa: E402
 
 AB = os.path.join(ROOT, "results", "cpu", "drafters-eagle3", "drafters.csv")
@@ -32,26 +32,7 @@ def curve_table(rows, every=4):
 
 def decoding(rows):
     """The A/B section: per prompt set and configuration, and per category for EAGLE-3; the goals."""
-    s0 = rows[0]
-    cmds = {r["prompt_set"]: (command_today(r["command"]), r["commit"]) for r in rows}
-    lines = [f"## Decoding, measured (greedy, batch 1, {s0['dtype']})", "",
-             f"On {s0['device']}, {s0['threads']} threads, torch {s0['torch']}, {s0['max_new_tokens']} new tokens; "
-             "every prompt runs every configuration in turn. Acceptance at depth d: the share of steps that accept at "
-             "least d drafts. Commands (commit):", ""]
-    lines += [f"- `{c}` ({k})" for c, k in cmds.values()] + [""]
-    table, body = by_prompt_set(rows), []
-    for ps, t in table.items():
-        for c, s in t.items():
-            mtp = c.startswith("mtp")
-            body.append((f"{ps} ({s['prompts']})", c, f"{s['tok_s']:.1f}", f"{s['vs_serial']:.2f}×",
-                         f"{s['vs_peer']:.2f}×", f"{s['tau']:.2f}",
-                         " / ".join(f"{100 * a:.0f}" for a in s["accept"][:6]) + " %" if mtp else "–",
-                         f"{s['nodes']:.1f}" if mtp else "–", f"{100 * s['draft_share']:.0f} %" if mtp else "–",
-                         f"{s['identical']}/{s['prompts']}"))
-    lines += [md_table(["prompts", "configuration", "decode tok/s", "vs our serial", "vs transformers", "τ",
-                        "acceptance by depth", "nodes verified / step", "drafting share", "identical to serial"],
-                       body), ""]
-    lines += [f"- {ps}: {SETS.get(ps, ps)}" for ps in table] + [""]
+    lines, table = decoding_section(rows, SETS)
     cats, body = {}, []
     for ps in table:
         mine = [r for r in rows if r["prompt_set"] == ps]
@@ -74,10 +55,7 @@ def decoding(rows):
                   ("every category ≥ 1.3× our serial", lambda ps, s: (
                       f"worst {min(c['vs_serial'] for _, c in cats[ps]):.2f}×",
                       min(c["vs_serial"] for _, c in cats[ps]) >= 1.3))]
-        lines += ["## Goals (the issue that asked for this drafter)", "",
-                  md_table(["goal", *(ps for ps, _ in goal)],
-                           [[name, *(f"{text} ({'met' if ok else 'not met'})" for text, ok in
-                                     (fn(ps, s) for ps, s in goal))] for name, fn in checks]), ""]
+        lines += goals_section("drafter", goal, checks)
     return lines
 
 

@@ -10,7 +10,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 
-from mtp_lab.bench.ab import by_prompt_set as per_set, latest_runs as latest  # noqa: E402
+from mtp_lab.bench.ab import decoding_section, goals_section, latest_runs as latest  # noqa: E402
 from mtp_lab.records import command_today, md_table, read_json, read_rows, write_text  # noqa: E402
 
 AB = os.path.join(ROOT, "results", "cpu", "drafters", "drafters.csv")
@@ -72,42 +72,20 @@ def main():
                  [["top-1", *(f"{100 * a:.1f} %" for a in info["val_accuracy_by_depth"])]]), ""]
     rows = latest(ab_rows())
     if rows:
-        s0 = rows[0]
-        cmds = {r["prompt_set"]: (command_today(r["command"]), r["commit"]) for r in rows}
-        lines += ["## Decoding, measured (greedy, batch 1, bf16)", "",
-                  f"On {s0['device']}, {s0['threads']} threads, torch {s0['torch']}, {s0['max_new_tokens']} new tokens; "
-                  "every prompt runs every configuration in turn. Acceptance at depth d: the share of steps that "
-                  "accept at least d drafts. Commands (commit):", ""]
-        lines += [f"- `{c}` ({k})" for c, k in cmds.values()] + [""]
-        table, body = per_set(rows), []
-        for ps, t in table.items():
-            for c, s in t.items():
-                acc = " / ".join(f"{100 * a:.0f}" for a in s["accept"][:7]) + " %" if c.startswith("mtp") else "–"
-                share = f"{100 * s['draft_share']:.0f} %" if c.startswith("mtp") else "–"
-                body.append((f"{ps} ({s['prompts']})", c, f"{s['tok_s']:.1f}", f"{s['tok_s'] / t['serial']['tok_s']:.2f}×",
-                             f"{s['tok_s'] / t['transformers generate']['tok_s']:.2f}×", f"{s['tau']:.2f}", acc,
-                             f"{s['nodes']:.1f}", share, f"{s['identical']}/{s['prompts']}"))
-        lines.append(md_table(["prompts", "configuration", "decode tok/s", "vs our serial", "vs transformers", "τ",
-                               "acceptance by depth", "nodes verified / step", "drafting share",
-                               "identical to serial"], body))
-        lines += [""] + [f"- {ps}: {SETS.get(ps, ps)}" for ps in table] + [""]
+        more, table = decoding_section(rows, SETS)
+        lines += more
         goal_rows = [(ps, t["mtp: module"]) for ps, t in table.items() if "mtp: module" in t]
         if goal_rows:
-            lines += ["## Goals (the issue that asked for this module)", ""]
-            body = []
-            checks = [("τ ≥ 3.0 (≤ 32 nodes verified)", lambda s, t: (f"{s['tau']:.2f}", s["tau"] >= 3.0)),
-                      ("depth-1 acceptance ≥ 80 %", lambda s, t: (f"{100 * s['accept'][0]:.0f} %", s["accept"][0] >= 0.8)),
-                      ("drafting ≤ 25 % of a step", lambda s, t: (f"{100 * s['draft_share']:.0f} %", s["draft_share"] <= 0.25)),
-                      ("≥ 1.8× our serial, identical output", lambda s, t: (
-                          f"{s['tok_s'] / t['serial']['tok_s']:.2f}×, {s['identical']}/{s['prompts']}",
-                          s["tok_s"] / t["serial"]["tok_s"] >= 1.8 and s["identical"] == s["prompts"]))]
-            for name, fn in checks:
-                cells = []
-                for ps, s in goal_rows:
-                    text, ok = fn(s, table[ps])
-                    cells.append(f"{text} ({'met' if ok else 'not met'})")
-                body.append([name, *cells])
-            lines += [md_table(["goal", *(ps for ps, _ in goal_rows)], body), ""]
+            vs = lambda ps, s: s["tok_s"] / table[ps]["serial"]["tok_s"]
+            checks = [("τ ≥ 3.0 (≤ 32 nodes verified)", lambda ps, s: (f"{s['tau']:.2f}", s["tau"] >= 3.0)),
+                      ("depth-1 acceptance ≥ 80 %",
+                       lambda ps, s: (f"{100 * s['accept'][0]:.0f} %", s["accept"][0] >= 0.8)),
+                      ("drafting ≤ 25 % of a step",
+                       lambda ps, s: (f"{100 * s['draft_share']:.0f} %", s["draft_share"] <= 0.25)),
+                      ("≥ 1.8× our serial, identical output", lambda ps, s: (
+                          f"{vs(ps, s):.2f}×, {s['identical']}/{s['prompts']}",
+                          vs(ps, s) >= 1.8 and s["identical"] == s["prompts"]))]
+            lines += goals_section("module", goal_rows, checks)
     write_text(os.path.join(HERE, "README.md"), "\n".join(lines))
     print(f"wrote {os.path.join(HERE, 'README.md')}")
 

@@ -205,3 +205,39 @@ def by_prompt_set(rows):
 PROMPT_SETS = {"dev_chat": "the tuning split (hand-written chat prompts, data/chat/dev_chat.jsonl)",
                "heldout_chat": "the held-out chat prompts (data/chat/heldout_chat.jsonl; never used for a choice)",
                "outside_chat": "chat prompts kept outside the repository, written before any result was seen"}
+
+
+def decoding_section(rows, sets):
+    """A drafter card's A/B section from its rows: the machine and commands, one table row per (prompt set,
+    configuration), the prompt sets named by `sets`. -> (lines, {prompt set: {configuration: summary}})."""
+    from ..records import command_today, md_table
+    s0 = rows[0]
+    cmds = {r["prompt_set"]: (command_today(r["command"]), r["commit"]) for r in rows}
+    lines = [f"## Decoding, measured (greedy, batch 1, {s0['dtype']})", "",
+             f"On {s0['device']}, {s0['threads']} threads, torch {s0['torch']}, {s0['max_new_tokens']} new tokens; "
+             "every prompt runs every configuration in turn. Acceptance at depth d: the share of steps that accept at "
+             "least d drafts. Commands (commit):", ""]
+    lines += [f"- `{c}` ({k})" for c, k in cmds.values()] + [""]
+    table, body = by_prompt_set(rows), []
+    for ps, t in table.items():
+        for c, s in t.items():
+            mtp = c.startswith("mtp")
+            body.append((f"{ps} ({s['prompts']})", c, f"{s['tok_s']:.1f}", f"{s['vs_serial']:.2f}×",
+                         f"{s['vs_peer']:.2f}×", f"{s['tau']:.2f}",
+                         " / ".join(f"{100 * a:.0f}" for a in s["accept"][:7]) + " %" if mtp else "–",
+                         f"{s['nodes']:.1f}" if mtp else "–", f"{100 * s['draft_share']:.0f} %" if mtp else "–",
+                         f"{s['identical']}/{s['prompts']}"))
+    lines += [md_table(["prompts", "configuration", "decode tok/s", "vs our serial", "vs transformers", "τ",
+                        "acceptance by depth", "nodes verified / step", "drafting share", "identical to serial"],
+                       body), ""]
+    return lines + [f"- {ps}: {sets.get(ps, ps)}" for ps in table] + [""], table
+
+
+def goals_section(what, columns, checks):
+    """A drafter card's goal table: columns [(prompt set, summary)], checks [(goal, fn(prompt set, summary) ->
+    (text, met))]."""
+    from ..records import md_table
+    return [f"## Goals (the issue that asked for this {what})", "",
+            md_table(["goal", *(ps for ps, _ in columns)],
+                     [[name, *(f"{text} ({'met' if ok else 'not met'})" for text, ok in
+                               (fn(ps, s) for ps, s in columns))] for name, fn in checks]), ""]

@@ -21,7 +21,7 @@ Writes <out>/tables.csv (rows appended, each with env_info() and a run_id), <out
                quality.
    A chain deeper than the heads is skipped, with a note printed and kept in its row.
 2. The analytic model: E[tokens/step] = Tree.expected_accept_len(acc) + 1 (the bonus token), divided by the
-   measured verify-step cost ratio c(T) = time(T-node verify) / time(1-node verify) (`tuning.step_cost`):
+   measured verify-step cost ratio c(T) = time(T-node verify) / time(1-node verify) (`costs.step_cost`):
         predicted speedup = (E[accepted drafts] + 1) / c(T)
    next to the measured speedup, and τ_measured / c(T) (what is left is drafting, accept, append and Python).
 3. A per-phase profile (`profile_step`): draft / verify attention / other verify / accept / append / Python;
@@ -37,7 +37,7 @@ import sys
 import torch
 
 from mtp_triton.tree import Tree
-from mtp_triton.tuning import step_cost
+from mtp_triton.costs import step_cost
 from . import e2e
 from ..cli import Resumable, add_common, command_parser, error, run
 from ..bundle import EMBEDDED

@@ -33,9 +33,10 @@ import time
 import torch
 import torch.nn.functional as F
 
+from ..bundle import transformers_model
 from ..cli import add_common, float_in, int_at_least
 from mtp_triton.heads import MTPHeads
-from mtp_triton.loading import load_model, load_tokenizer, transformers_model
+from mtp_triton.loading import load_model, load_tokenizer
 from ..records import ensure_writable_dir, read_jsonl, load_torch, save_torch, write_json
 from mtp_triton.tree import get_tree
 from .answers import read_prompts, write_answers

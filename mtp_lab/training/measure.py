@@ -13,8 +13,12 @@ repeats; every number recorded with what it was measured on.)
 import argparse
 import collections
 
+import torch
+
 from mtp_triton.tree import Tree
-from mtp_triton.tuning import drafting_costs, step_cost
+from mtp_triton.costs import interleaved_medians, step_cost
+from mtp_triton.drafters import HeadsDrafter
+from mtp_triton.ops import get_ops
 from . import replay
 
 
@@ -97,3 +101,30 @@ def choose_tree_from_ranks(model, heads, ranks, lengths, budgets=(1, 2, 3, 4, 6,
         if fast:
             best = max(fast, key=lambda r: (r["tau_simulated"], r["predicted_speedup"]))
     return Tree.from_choices(best["choices"]), table
+
+
+@torch.no_grad()
+def drafting_costs(model, heads, trees, reps=7):
+    """Median seconds of drafting each tree at batch 1 with the heads (the heads it reaches, the draft vocabulary),
+    torch path, timed in interleaved rounds like `step_cost`: a step's cost is its verify step plus its drafting."""
+    d = HeadsDrafter(heads, model, get_ops("torch", model.device))
+    h = torch.randn(1, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(model.dtype)
+    root = torch.zeros(1, dtype=torch.int64, device=model.device)
+    return interleaved_medians([lambda t=t.to(model.device): d.draft(None, root, h, t) for t in trees], reps)
+
+
+def best_tree(model, acc, budgets=(1, 2, 4, 8, 16, 32, 64), batch=1, context=256, kernels="auto"):
+    """(tree, table): the `Tree.from_accuracies(acc, b)` with the best expected speedup on this hardware.
+
+    table rows: budget, nodes, expected tokens per step, cost ratio c(T), expected speedup.
+    """
+    acc = torch.as_tensor(acc, dtype=torch.float64)
+    trees = [Tree.root_only()] + [Tree.from_accuracies(acc, b) for b in budgets]
+    costs = step_cost(model, trees, batch=batch, context=context, kernels=kernels)
+    table = []
+    for b, tree, c in zip(budgets, trees[1:], costs[1:]):
+        tokens = 1.0 + tree.expected_accept_len(acc)
+        table.append(dict(budget=b, nodes=tree.size, expected_tokens_per_step=tokens, cost_ratio=c / costs[0],
+                          expected_speedup=tokens / (c / costs[0])))
+    best = max(range(len(table)), key=lambda i: table[i]["expected_speedup"])
+    return trees[best + 1], table

@@ -343,7 +343,8 @@ def draft_config(B, H, D, V, top_k, device, per_head=False, capability=None):
     return dict(BLOCK_B=_p2(B, 16, 64), BLOCK_N=64, BLOCK_K=64,
                 BLOCK_R=block_r, BLOCK_V=128, BLOCK_D=32 if major == 12 and block_r >= 64 else 64,
                 MERGE_R=1, CHUNK=2048, CHUNK_T=1024,
-                num_warps=8 if block_r >= 64 or major == 10 or (per_head and major == 8) else 4, num_stages=3, res_warps=4, res_stages=3)
+                num_warps=8 if block_r >= 64 or major == 10 or (per_head and major == 8) else 4, num_stages=3,
+                res_warps=4, res_stages=3)
 
 
 def fused_draft(hidden, res_weight, res_bias, lm_head, top_k, *, token_map=None, check_values=True):
