@@ -74,9 +74,28 @@ def test_positions_whose_target_choice_is_outside_the_vocabulary_are_not_scored(
     module = Eagle3Module.from_target(model, torch.arange(0, 4096, 2), (2, 2, 1))
     t = recipe.Trainer(model, module, [], [], 64, 2, lambda: torch.autocast("cpu", enabled=False))
     seqs = [[3, 9, 27, 81, 40, 120, 7, 77, 5, 11]]
-    feats, logits_v, choice, ids = recipe.target_pass(model, seqs, (2, 2, 1), t.token_map)
+    feats, h, choice, ids = recipe.target_pass(model, seqs, (2, 2, 1))
+    logits_v = h @ t.lm_rows.T
     _, parts = recipe.batch_losses(module, t.embed, feats, logits_v, choice, ids, [10], [4], 2, t.index_of)
     nxt_choice = choice[0, 1:]                                            # the target's choice for token m + 2
     m = torch.arange(9)
     want = int(((m + 2 >= 4) & (m + 2 < 10) & (nxt_choice % 2 == 0)).sum())
     assert parts[0][3] == want
+
+
+def test_the_target_cache_gives_the_target_pass_and_runs_the_target_once_per_sequence(tmp_path, monkeypatch):
+    """What the cache returns is the target pass (its streams stored in bf16), whatever batch a sequence comes in;
+    a sequence seen before is read, not computed; a folder made for other taps is refused."""
+    model = mt.load_model(TINY, dtype=torch.float32)
+    seqs = [[3, 9, 27, 81, 40], [120, 7, 77, 5, 11, 13, 17]]
+    feats, h, choice, ids = recipe.target_pass(model, seqs, (2, 2, 1))
+    cache = recipe.TargetCache(str(tmp_path / "t"), model, "tiny", (2, 2, 1))
+    got = cache(seqs)
+    assert torch.equal(got[0], feats.bfloat16().float()) and torch.equal(got[1], h.bfloat16().float())
+    assert torch.equal(got[2], choice) and torch.equal(got[3], ids) and cache.computed == 2
+    monkeypatch.setattr(recipe, "target_pass", lambda *a, **k: pytest.fail("the target ran again"))
+    again = cache([seqs[1], seqs[0]])                                   # another batch: read from disk
+    assert torch.equal(again[0][0], got[0][1]) and torch.equal(again[0][1, :5], got[0][0, :5])
+    assert not again[0][1, 5:].any() and torch.equal(again[2][0], got[2][1]) and cache.read == 2
+    with pytest.raises(ValueError, match="made for"):
+        recipe.TargetCache(str(tmp_path / "t"), model, "tiny", (1, 2, 1))

@@ -13,7 +13,10 @@ periodic checkpoint and at the end, with the records.
 2. vocab    the draft vocabulary: the `--vocab` answer tokens most frequent in the training answers (EAGLE-3's
             d2t/t2d), the drafter's own LM head started from the target's rows
 3. target   per batch, one no-grad pass of the frozen target (`forward_tree(taps=)`): the residual streams at the
-            taps (2, L // 2, L - 3) at every position, and its next-token logits over the draft vocabulary
+            taps (2, L // 2, L - 3) at every position, its final hidden state (whose LM-head columns token_map are
+            its next-token logits over the draft vocabulary) and its choice over the whole vocabulary. Kept on disk
+            per sequence (`TargetCache`, in --work), so every later epoch, resumed run and held-back measurement
+            reads them instead of running the target again
 4. train    the unrolled drafter (`DraftBlock.unroll`, `--unroll` steps: training-time test): step k at index m
             predicts token m + 2 and is scored where that token is an answer token and the target's choice there is
             in the draft vocabulary:
@@ -22,6 +25,7 @@ periodic checkpoint and at the end, with the records.
 5. measure  teacher-forced top-1 accuracy of every unroll step on held-back greedy answers: the chance that depth
             k + 1 of a chain is accepted once the depths above it were
 """
+import hashlib
 import json
 import os
 import sys
@@ -72,27 +76,77 @@ def sequences(rows, max_len):
 
 
 @torch.no_grad()
-def target_pass(model, seqs, taps, token_map):
-    """The frozen target over a padded batch: feats [B, S, len(taps) D] (fp32) at the taps, its logits over the
-    draft vocabulary `token_map` [B, S, V'], its choice over the whole vocabulary [B, S], and ids [B, S] (padding 0).
-    The LM head runs once, one row at a time ([S, V] each): the draft logits are its columns token_map."""
+def target_pass(model, seqs, taps):
+    """The frozen target over a padded batch: feats [B, S, len(taps) D] (fp32) at the taps, the final hidden state
+    h [B, S, D] (fp32; the LM head's input), its choice over the whole vocabulary [B, S] and ids [B, S] (padding 0).
+    The LM head runs one row at a time ([S, V] each)."""
     tokens, positions, mask, _ = causal_chains(seqs, model.device)
     B, S = tokens.shape
     h, _, _, feats = model.forward_tree(tokens, positions, mask, model.new_cache([S] * B),
                                         torch.arange(B, device=model.device), get_ops("torch", model.device),
                                         check_values=False, exact=False, taps=taps)
-    logits_v, choice = [], []
-    for row in h:
-        full = model.logits(row).float()                                               # [S, V]
-        choice.append(full.argmax(-1))
-        logits_v.append(full[:, token_map])
-    return feats.float(), torch.stack(logits_v), torch.stack(choice), tokens
+    choice = torch.stack([model.logits(row).argmax(-1) for row in h])
+    return feats.float(), h.float(), choice, tokens
+
+
+class TargetCache:
+    """`target_pass` per sequence, computed once and kept in a folder: one file per sequence, named by a hash of
+    its tokens, holding its taps' streams [S, len(taps) D] and final hidden state [S, D] in bf16 (what EAGLE-3's
+    data pipeline stores) and the target's choice [S]. meta.json names the target, its dtype and the taps; a folder
+    made for others is refused. Rows of a padded batch do not see one another, so a sequence's outputs do not
+    depend on the batch that computed them."""
+
+    def __init__(self, folder, model, name, taps):
+        self.folder, self.model, self.taps = folder, model, taps
+        meta = dict(target=name, dtype=str(model.dtype).replace("torch.", ""), taps=list(taps),
+                    vocab_size=model.config.vocab_size, hidden_size=model.config.hidden_size)
+        os.makedirs(folder, exist_ok=True)
+        file = os.path.join(folder, "meta.json")
+        if os.path.exists(file):
+            with open(file, encoding="utf-8") as f:
+                had = json.load(f)
+            if had != meta:
+                raise ValueError(f"{folder}: its target outputs were made for {had}, this run needs {meta}; delete "
+                                 "the folder or give another --work")
+        else:
+            write_json(file, meta)
+        self.computed = self.read = 0
+
+    def _path(self, seq):
+        digest = hashlib.sha256(torch.tensor(seq, dtype=torch.int64).numpy().tobytes()).hexdigest()[:24]
+        return os.path.join(self.folder, f"{digest}.pt")
+
+    def __call__(self, seqs):
+        """target_pass(model, seqs, taps), its missing sequences computed (as one batch) and stored first."""
+        paths = [self._path(s) for s in seqs]
+        todo = [i for i, p in enumerate(paths) if not os.path.exists(p)]
+        if todo:
+            feats, h, choice, _ = target_pass(self.model, [seqs[i] for i in todo], self.taps)
+            for j, i in enumerate(todo):
+                n = len(seqs[i])
+                save_torch(dict(feats=feats[j, :n].bfloat16(), h=h[j, :n].bfloat16(), choice=choice[j, :n].int()),
+                           paths[i])
+            self.computed += len(todo)
+        self.read += len(seqs) - len(todo)
+        got = [load_torch(p, "target cache") for p in paths]
+        B, S = len(seqs), max(len(s) for s in seqs)
+        feats = torch.zeros(B, S, got[0]["feats"].shape[-1])
+        h = torch.zeros(B, S, got[0]["h"].shape[-1])
+        choice, ids = torch.zeros(B, S, dtype=torch.int64), torch.zeros(B, S, dtype=torch.int64)
+        for b, (g, seq) in enumerate(zip(got, seqs)):
+            n = len(seq)
+            if g["choice"].shape[0] != n:
+                raise ValueError(f"target cache {paths[b]}: holds {g['choice'].shape[0]} positions, the sequence "
+                                 f"{n}; delete the file")
+            feats[b, :n], h[b, :n], choice[b, :n] = g["feats"].float(), g["h"].float(), g["choice"].long()
+            ids[b, :n] = torch.tensor(seq)
+        return feats.to(self.model.device), h.to(self.model.device), choice.to(self.model.device), ids
 
 
 def batch_losses(module, embed, feats, logits_v, choice, ids, lens, starts, steps, index_of):
     """The loss of the module docstring and, per unroll step k, (k, soft CE, teacher-forced top-1 hits, positions).
-    choice [B, S]: the target's argmax over the whole vocabulary; index_of [V]: a target id's index in the draft
-    vocabulary, -1 outside it."""
+    logits_v [B, S, V']: the target's logits over the draft vocabulary; choice [B, S]: its argmax over the whole
+    vocabulary; index_of [V]: a target id's index in the draft vocabulary, -1 outside it."""
     B, S, _ = feats.shape
     m = torch.arange(S)
     nxt = torch.cat([ids[:, 1:], ids[:, :1]], 1)                                        # [B, S] the token at m + 1
@@ -124,9 +178,11 @@ def groups_of(seqs, batch):
 class Trainer:
     """The frozen target, the drafter and the data, with what a step and a measurement need."""
 
-    def __init__(self, model, module, train_rows, val_rows, max_len, unroll, autocast):
+    def __init__(self, model, module, train_rows, val_rows, max_len, unroll, autocast, cache=None):
         self.model, self.module, self.unroll, self.autocast = model, module, unroll, autocast
         self.taps = module.taps
+        self.target = cache if cache is not None else (lambda seqs: target_pass(model, seqs, self.taps))
+        self.lm_rows = model.lm_head.weight.detach()[module.token_map].float()          # [V', D]
         self.embed = model.embed_tokens.weight.detach()
         self.token_map = module.token_map
         V = model.config.vocab_size
@@ -136,7 +192,8 @@ class Trainer:
         self.val_seqs, self.val_starts = sequences([r for r in val_rows if r["mode"] == "greedy"], max_len)
 
     def losses(self, seqs, starts):
-        feats, logits_v, choice, ids = target_pass(self.model, seqs, self.taps, self.token_map)
+        feats, h, choice, ids = self.target(seqs)
+        logits_v = h @ self.lm_rows.T                                # [B, S, V']: the LM head's columns token_map
         with self.autocast():
             return batch_losses(self.module, self.embed.float(), feats, logits_v, choice, ids,
                                 [len(s) for s in seqs], starts, self.unroll, self.index_of)
@@ -180,8 +237,9 @@ def run(args):
     module = Eagle3Module.from_target(model, token_map, taps, dict(depth=args.depth))
     module.train()
     bf16 = model.dtype == torch.bfloat16
+    cache = None if args.no_target_cache else TargetCache(os.path.join(args.work, "target"), model, args.model, taps)
     trainer = Trainer(model, module, train_rows, val_rows, args.max_len, args.unroll,
-                      lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16))
+                      lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), cache)
     records = args.records or os.path.join(args.out, "records")
     gen = torch.Generator().manual_seed(args.seed)
     loop = Loop(module.parameters(), LoopConfig(steps=args.steps, max_minutes=args.minutes, lr=args.lr,
@@ -258,6 +316,9 @@ def add_arguments(sp):
     sp.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
                     help="the target's dtype (default: bf16 where the CPU multiplies it natively, else fp32)")
     sp.add_argument("--max-len", type=int_at_least(8), default=512)
+    sp.add_argument("--no-target-cache", action="store_true",
+                    help="run the target on every batch instead of keeping its outputs in <work>/target (about 4.6 "
+                         "kB per token: 7 GB for 1.5 M tokens)")
     sp.add_argument("--val-percent", type=int_at_least(1), default=3, help="answers held back, by prompt id")
     sp.add_argument("--vocab", type=int_at_least(2), default=8192, help="draft vocabulary size (EAGLE-3: 32 k)")
     sp.add_argument("--unroll", type=int_at_least(1), default=5, help="steps of the training-time test")
