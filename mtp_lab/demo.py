@@ -35,6 +35,7 @@ def format_tau(tau):
     """tau for a person: two decimals, or 'n/a (no verify step)' when the run had none (a 1-token output)."""
     return "n/a (no verify step)" if tau != tau else f"{tau:.2f}"
 
+
 def configs(heads, tree, kernels, runtime=None):
     """The demo's configurations (bench.ab), in the order each prompt runs them: our serial loop, MTP (tree None: the
     heads' stored tree, each step sized by the measured step costs, generate's default; a Tree is verified whole),

@@ -91,8 +91,11 @@ def test_the_target_cache_gives_the_target_pass_and_runs_the_target_once_per_seq
     feats, h, choice, ids = recipe.target_pass(model, seqs, (2, 2, 1))
     cache = recipe.TargetCache(str(tmp_path / "t"), model, "tiny", (2, 2, 1))
     got = cache(seqs)
-    assert torch.equal(got[0], feats.bfloat16().float()) and torch.equal(got[1], h.bfloat16().float())
-    assert torch.equal(got[2], choice) and torch.equal(got[3], ids) and cache.computed == 2
+    for b, n in enumerate(map(len, seqs)):                              # a sequence's own positions; padding is 0
+        assert torch.equal(got[0][b, :n], feats[b, :n].bfloat16().float())
+        assert torch.equal(got[1][b, :n], h[b, :n].bfloat16().float()) and torch.equal(got[2][b, :n], choice[b, :n])
+        assert not got[0][b, n:].any() and not got[2][b, n:].any()
+    assert torch.equal(got[3], ids) and cache.computed == 2
     monkeypatch.setattr(recipe, "target_pass", lambda *a, **k: pytest.fail("the target ran again"))
     again = cache([seqs[1], seqs[0]])                                   # another batch: read from disk
     assert torch.equal(again[0][0], got[0][1]) and torch.equal(again[0][1, :5], got[0][0, :5])

@@ -10,14 +10,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 
-from mtp_lab.bench.ab import decoding_section, goals_section, latest_runs as latest  # noqa: E402
+from mtp_lab.bench.ab import PROMPT_SETS, decoding_section, goals_section, latest_runs as latest  # noqa: E402
 from mtp_lab.records import command_today, md_table, read_json, read_rows, write_text  # noqa: E402
 
 AB = os.path.join(ROOT, "results", "cpu", "drafters", "drafters.csv")
-SETS = {"dev_chat": "the tuning split (hand-written chat prompts, data/chat/dev_chat.jsonl)",
-        "heldout_chat": "the held-out chat prompts (data/chat/heldout_chat.jsonl; never used for a choice)",
-        "outside_chat": "chat prompts kept outside the repository, written before any result was seen (12 written, "
-                        "the first of each category run)"}
+SETS = dict(PROMPT_SETS, outside_chat=PROMPT_SETS["outside_chat"] + " (12 written, the first of each category run)")
 
 
 def load(path):

@@ -36,6 +36,7 @@ import json
 from dataclasses import dataclass, field
 
 from mtp_triton.generate import generate
+from ..records import command_today, md_table
 from .hf_baseline import time_hf
 from .roofline import roofline_fields
 
@@ -210,7 +211,6 @@ PROMPT_SETS = {"dev_chat": "the tuning split (hand-written chat prompts, data/ch
 def decoding_section(rows, sets):
     """A drafter card's A/B section from its rows: the machine and commands, one table row per (prompt set,
     configuration), the prompt sets named by `sets`. -> (lines, {prompt set: {configuration: summary}})."""
-    from ..records import command_today, md_table
     s0 = rows[0]
     cmds = {r["prompt_set"]: (command_today(r["command"]), r["commit"]) for r in rows}
     lines = [f"## Decoding, measured (greedy, batch 1, {s0['dtype']})", "",
@@ -236,7 +236,6 @@ def decoding_section(rows, sets):
 def goals_section(what, columns, checks):
     """A drafter card's goal table: columns [(prompt set, summary)], checks [(goal, fn(prompt set, summary) ->
     (text, met))]."""
-    from ..records import md_table
     return [f"## Goals (the issue that asked for this {what})", "",
             md_table(["goal", *(ps for ps, _ in columns)],
                      [[name, *(f"{text} ({'met' if ok else 'not met'})" for text, ok in

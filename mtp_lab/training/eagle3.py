@@ -32,7 +32,6 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 from ..bundle import command_dtype
 from ..cli import add_common, float_in, int_at_least
@@ -44,6 +43,7 @@ from mtp_triton.eagle3 import Eagle3Module, default_taps
 from mtp_triton.generate import causal_chains
 from mtp_triton.loading import load_model
 from mtp_triton.ops import get_ops
+from mtp_triton.version import package_hash
 
 WEIGHTS = 0.8                                     # EAGLE-3's weight of unroll step k: 0.8^k
 
@@ -93,13 +93,16 @@ class TargetCache:
     """`target_pass` per sequence, computed once and kept in a folder: one file per sequence, named by a hash of
     its tokens, holding its taps' streams [S, len(taps) D] and final hidden state [S, D] in bf16 (what EAGLE-3's
     data pipeline stores) and the target's choice [S]. meta.json names the target, its dtype and the taps; a folder
-    made for others is refused. Rows of a padded batch do not see one another, so a sequence's outputs do not
+    made for others (another target, dtype, tap set, config, engine code or weights: a sample of LM-head rows) is
+    refused. Rows of a padded batch do not see one another, so a sequence's outputs do not
     depend on the batch that computed them."""
 
     def __init__(self, folder, model, name, taps):
         self.folder, self.model, self.taps = folder, model, taps
+        w = model.lm_head.weight.detach()
         meta = dict(target=name, dtype=str(model.dtype).replace("torch.", ""), taps=list(taps),
-                    vocab_size=model.config.vocab_size, hidden_size=model.config.hidden_size)
+                    config=repr(model.config), code=package_hash(),
+                    weights=hashlib.sha256(w[:: max(1, w.shape[0] // 64)].float().numpy().tobytes()).hexdigest()[:16])
         os.makedirs(folder, exist_ok=True)
         file = os.path.join(folder, "meta.json")
         if os.path.exists(file):
@@ -140,7 +143,8 @@ class TargetCache:
                                  f"{n}; delete the file")
             feats[b, :n], h[b, :n], choice[b, :n] = g["feats"].float(), g["h"].float(), g["choice"].long()
             ids[b, :n] = torch.tensor(seq)
-        return feats.to(self.model.device), h.to(self.model.device), choice.to(self.model.device), ids
+        dev = self.model.device
+        return feats.to(dev), h.to(dev), choice.to(dev), ids.to(dev)
 
 
 def batch_losses(module, embed, feats, logits_v, choice, ids, lens, starts, steps, index_of):
@@ -310,15 +314,16 @@ def add_arguments(sp):
     add_common(sp, "model", model="smollm2-135m-instruct")
     sp.add_argument("--answers", default=os.path.join("data", "smollm2-135m-instruct-answers"),
                     help="folder of answer shards (written by `train_heads answers`)")
-    sp.add_argument("--work", default=os.path.join("runs", "eagle3"), help="checkpoint and draft vocabulary")
+    sp.add_argument("--work", default=os.path.join("runs", "eagle3"),
+                    help="checkpoint, draft vocabulary and the target's outputs (target/: about 2 MB per answer)")
     add_common(sp, "out", out=os.path.join("data", "smollm2-135m-instruct-eagle3"))
     sp.add_argument("--records", default=None, help="default: <out>/records")
     sp.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
                     help="the target's dtype (default: bf16 where the CPU multiplies it natively, else fp32)")
     sp.add_argument("--max-len", type=int_at_least(8), default=512)
     sp.add_argument("--no-target-cache", action="store_true",
-                    help="run the target on every batch instead of keeping its outputs in <work>/target (about 4.6 "
-                         "kB per token: 7 GB for 1.5 M tokens)")
+                    help="run the target on every batch instead of keeping its outputs in <work>/target (4.6 kB "
+                         "per token, prompt tokens included: about 2 MB per answer)")
     sp.add_argument("--val-percent", type=int_at_least(1), default=3, help="answers held back, by prompt id")
     sp.add_argument("--vocab", type=int_at_least(2), default=8192, help="draft vocabulary size (EAGLE-3: 32 k)")
     sp.add_argument("--unroll", type=int_at_least(1), default=5, help="steps of the training-time test")

@@ -9,6 +9,10 @@ repeats; every number recorded with what it was measured on.)
 - `choose_tree`: predicted speedup of each candidate tree = tau x (serial step) / (tree step + drafting), with the
   step costs measured on this machine (median of `reps`), so the choice never promises more than the measured costs
   allow; the demo later prints this prediction beside the measured speedup.
+- `best_tree`: the tree built from measured head accuracies (`Tree.from_accuracies`) whose expected speedup
+  (1 + E[accepted]) / c(T) is highest on this hardware: a T-node verify step costs c(T) x a 1-node step, nearly flat
+  on a memory-bound GPU (big trees win) and growing fast on a CPU with a small model (small trees win).
+- `drafting_costs`: the drafting half of a step's cost, per tree, for the heads.
 """
 import argparse
 import collections
