@@ -37,3 +37,30 @@ def test_the_count_sees_every_op():
         y = x.view(12) + 1                                 # view, add
         y.sum()                                            # sum
     assert c.total == 3, c.by_name
+
+
+def test_triton_launches_count_as_ops_and_host_reads_apart():
+    """Under Triton's interpreter a launch counts once, however many ATen calls the interpreter makes inside it; a
+    host read (`.item()`, `nonzero`) counts as an op and as a host read."""
+    import subprocess
+    import sys
+    code = (
+        "import mtp_triton, torch\n"
+        "mtp_triton.use_interpreter()\n"
+        "import triton, triton.language as tl\n"
+        "from mtp_lab.bench.opcount import _Count, counted_launches\n"
+        "@triton.jit\n"
+        "def k(x, n, B: tl.constexpr):\n"
+        "    o = tl.arange(0, B)\n"
+        "    tl.store(x + o, tl.load(x + o, mask=o < n) + 1, mask=o < n)\n"
+        "x = torch.zeros(5)\n"
+        "with counted_launches(), _Count() as c:\n"
+        "    k[(1,)](x, 5, B=8)\n"
+        "    k[(2,)](x, 5, B=8)\n"
+        "    x.sum().item()\n"
+        "    (x > 0).nonzero()\n"
+        "print(c.launches, c.syncs, c.total, sorted(c.by_name))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    launches, syncs, total, names = out.stdout.split(" ", 3)
+    assert (launches, syncs, total) == ("2", "2", "6"), out.stdout     # 2 launches + sum, item, gt, nonzero
