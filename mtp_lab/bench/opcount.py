@@ -23,6 +23,7 @@ import sys
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from mtp_triton.packed import packs
 from ..cli import add_common, command_parser, run
 from .common import env_info, save_rows
 
@@ -150,6 +151,8 @@ def main(argv=None):
     from mtp_lab.bundle import DRAFTERS, DTYPES, SMOLLM2, encode, heads_dir_for, load_bundle
     ap = command_parser("python -m mtp_lab.bench.opcount", __doc__, "model", model=SMOLLM2)
     ap.add_argument("--dtypes", default="fp32,bf16", help="comma-separated dtypes (default %(default)s)")
+    ap.add_argument("--unpacked", action="store_true",
+                    help="the linear layers as nn.Linear calls, as a GPU runs them (no prepacked CPU weights)")
     add_common(ap, "kernels", "threads", "out", "max-new-tokens", out="results/opcount.csv", kernels="torch",
                max_new_tokens=16)
     a = ap.parse_args(argv)
@@ -164,6 +167,7 @@ def main(argv=None):
     rows = []
     for name in dtypes:
         model, _, tok = load_bundle(a.model, device="cpu", dtype=DTYPES[name], drafter=kinds[0])
+        model.pack_weights = not a.unpacked
         prompt = encode(tok, "Explain what a hash table is and when to use one.")
         runs = [("serial", None)] + [(f"mtp-{k}", load_bundle(a.model, device="cpu", drafter=k)[1]) for k in kinds]
         for mode, drafter in runs:
@@ -171,6 +175,7 @@ def main(argv=None):
                             runtime=dict(size_by_cost=False))        # the whole tree every step: a fixed count
             goal = OPS_GOAL["serial" if drafter is None else "mtp"]
             rows.append(dict(env_info(model.device), model=a.model, dtype=name, mode=mode, kernels=a.kernels,
+                             packed=packs(model),
                              layers=model.config.num_hidden_layers, steps=got["steps"], step_ops=got["step_ops"],
                              ops_per_layer=round(got["per_layer"], 1), loop_ops_per_step=round(got["loop_ops"], 1),
                              launches_per_step=got["launches"], host_reads_per_step=got["syncs"],
