@@ -171,8 +171,8 @@ def main(argv=None):
         prompt = encode(tok, "Explain what a hash table is and when to use one.")
         runs = [("serial", None)] + [(f"mtp-{k}", load_bundle(a.model, device="cpu", drafter=k)[1]) for k in kinds]
         for mode, drafter in runs:
-            got = count_ops(model, prompt, a.max_new_tokens, mtp=drafter is not None, drafter=drafter, kernels=a.kernels,
-                            runtime=dict(size_by_cost=False))        # the whole tree every step: a fixed count
+            got = count_ops(model, prompt, a.max_new_tokens, mtp=drafter is not None, drafter=drafter,
+                            kernels=a.kernels, runtime=dict(size_by_cost=False))        # the whole tree every step: a fixed count
             goal = OPS_GOAL["serial" if drafter is None else "mtp"]
             rows.append(dict(env_info(model.device), model=a.model, dtype=name, mode=mode, kernels=a.kernels,
                              packed=packs(model),

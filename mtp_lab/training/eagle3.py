@@ -92,10 +92,9 @@ def target_pass(model, seqs, taps):
 class TargetCache:
     """`target_pass` per sequence, computed once and kept in a folder: one file per sequence, named by a hash of
     its tokens, holding its taps' streams [S, len(taps) D] and final hidden state [S, D] in bf16 (what EAGLE-3's
-    data pipeline stores) and the target's choice [S]. meta.json names the target, its dtype and the taps; a folder
-    made for others (another target, dtype, tap set, config, engine code or weights: a sample of LM-head rows) is
-    refused. Rows of a padded batch do not see one another, so a sequence's outputs do not
-    depend on the batch that computed them."""
+    data pipeline stores) and the target's choice [S]. meta.json names the target, its dtype, the taps, its config,
+    the engine code and a sample of LM-head rows; a folder made for anything else is refused. Rows of a padded batch
+    do not see one another, so a sequence's outputs do not depend on the batch that computed them."""
 
     def __init__(self, folder, model, name, taps):
         self.folder, self.model, self.taps = folder, model, taps
@@ -188,7 +187,6 @@ class Trainer:
         self.target = cache if cache is not None else (lambda seqs: target_pass(model, seqs, self.taps))
         self.lm_rows = model.lm_head.weight.detach()[module.token_map].float()          # [V', D]
         self.embed = model.embed_tokens.weight.detach()
-        self.token_map = module.token_map
         V = model.config.vocab_size
         self.index_of = torch.full((V,), -1, dtype=torch.int64).index_copy_(
             0, module.token_map, torch.arange(len(module.token_map)))
