@@ -364,36 +364,6 @@ def tau_cost_figure(points, title=""):
     return fig
 
 
-def step_floor_figure(stacks, title=""):
-    """Where a decoding step's bandwidth floor goes: one bar per {label: {part: microseconds}}, each drawn as shares
-    of its own total (written at the end of the bar), so a 135M and a 7B model fit one axis. A floor is compulsory
-    bytes / datasheet bandwidth: a lower bound, never a timing."""
-    import matplotlib.pyplot as plt
-
-    parts = list(dict.fromkeys(p for s in stacks.values() for p in s))
-    colors = {p: plt.get_cmap("tab10")(i) for i, p in enumerate(parts)}
-    fig, ax = plt.subplots(figsize=(7.0, 0.35 * len(stacks) + 1.4))
-    for y, (label, s) in enumerate(stacks.items()):
-        total, left = sum(s.values()), 0.0
-        for p in parts:
-            v = 100 * s.get(p, 0.0) / total
-            ax.barh(y, v, left=left, color=colors[p], label=p if y == 0 else None)
-            left += v
-        ax.text(101, y, f"{total:,.1f} us", va="center", fontsize=7)
-    ax.set_yticks(range(len(stacks)), list(stacks), fontsize=7)
-    ax.invert_yaxis()
-    ax.set_xlim(0, 118)
-    ax.set_xlabel("share of the step's floor (%); total floor at the right")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=len(parts))
-    fig.tight_layout()
-    return fig
-
-
-# ------------------------------------------------------------------------------------------------------------
-# 05-full-decoder: one MTP step as its tree, tau by category, the runtime policy's depths, per-head accuracy
-
-
 def mtp_step_figure(labels, parents, depth, accepted, bonus, title=""):
     """One MTP step drawn from its tensors: the candidate tree, the accepted path and the bonus token.
 
@@ -501,5 +471,170 @@ def per_head_figure(panels, ylabel="accuracy", title=""):
     axes[0][0].set_ylabel(ylabel, fontsize=8)
     axes[0][0].set_ylim(0, 1)
     fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+# ------------------------------------------------------------------------------------------------------------
+# 03a-tree-attention: a token tree beside its attention mask
+
+def tree_and_mask_figure(parents, labels=None, cache_len=0, title=""):
+    """A token tree beside its attention mask, as in Medusa's figure (Cai et al. 2024, arXiv 2401.10774).
+
+    parents [T] (-1 for the root; parents come first); labels [T]: each node's text (default: its index);
+    cache_len: cached positions drawn left of the tree keys (every node sees them). Left: the tree, one column per
+    depth, node i on row i; right: the [T, cache_len + T] mask, row i = what node i's query sees, column j = key j.
+    A node, its row's label and the keys it sees share one colour (its depth: the head that drafted it)."""
+    import matplotlib.pyplot as plt
+
+    parents = [int(p) for p in parents]
+    T = len(parents)
+    labels = [str(i) for i in range(T)] if labels is None else list(labels)
+    depth, seen = [0] * T, [{i} for i in range(T)]
+    for i in range(1, T):
+        if parents[i] >= 0:
+            depth[i] = depth[parents[i]] + 1
+            seen[i] |= seen[parents[i]]
+    color = [plt.get_cmap("tab10")(d % 10) for d in depth]
+    D = max(depth)
+    fig, (ax, am) = plt.subplots(1, 2, figsize=(3.2 + 1.1 * D + 0.32 * (cache_len + T), 1.2 + 0.3 * T),
+                                 gridspec_kw=dict(width_ratios=[1.1 * (D + 1), 0.32 * (cache_len + T) + 0.6]))
+    for i in range(1, T):
+        if parents[i] >= 0:
+            ax.plot([depth[parents[i]], depth[i]], [parents[i], i], color="0.55", lw=0.9, zorder=1)
+    for i in range(T):
+        ax.text(depth[i], i, labels[i], ha="center", va="center", fontsize=7, color="white", zorder=3,
+                bbox=dict(boxstyle="round,pad=0.25", fc=color[i], ec="0.3", lw=0.5))
+    ax.set_xticks(range(D + 1), ["root"] + [f"depth {d}\n(head {d - 1})" for d in range(1, D + 1)], fontsize=7)
+    ax.set_yticks([])
+    ax.set_xlim(-0.5, D + 0.5)
+    ax.set_ylim(T - 0.5, -0.5)
+    for side in ("left", "right", "top"):
+        ax.spines[side].set_visible(False)
+    ax.set_title("the tree (node i on row i)", fontsize=9)
+
+    for i in range(T):
+        for c in range(cache_len):
+            am.add_patch(plt.Rectangle((c, i), 1, 1, fc="0.7", ec="white", lw=0.5))
+        for j in range(T):
+            am.add_patch(plt.Rectangle((cache_len + j, i), 1, 1, fc=color[j] if j in seen[i] else "0.95",
+                                       ec="white", lw=0.5))
+    if cache_len:
+        am.axvline(cache_len, color="r", lw=1)
+    am.set_xlim(0, cache_len + T)
+    am.set_ylim(T, 0)                                    # row i level with node i of the tree
+    am.set_xticks([c + 0.5 for c in range(cache_len + T)],
+                  [f"c{c}" for c in range(cache_len)] + labels, fontsize=7, rotation=90)
+    am.set_yticks([i + 0.5 for i in range(T)], labels, fontsize=7)
+    for tick, i in zip(am.get_yticklabels(), range(T)):
+        tick.set_color(color[i])
+    for tick, j in zip(am.get_xticklabels()[cache_len:], range(T)):
+        tick.set_color(color[j])
+    am.set_xlabel("key: " + ("cached position | " if cache_len else "") + "tree node", fontsize=8)
+    am.set_ylabel("query: tree node", fontsize=8)
+    am.set_title("its attention mask (coloured: visible)", fontsize=9)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def split_v_figure(pid_r, pid_v, valid, pick, blocks, tile, tops, D):
+    """Lesson 02's split-V grid: which program owns each logit (r, j), what program `pick` reads (its LM-head rows,
+    its z rows) and its logits tile with the tile top-k numbered. pid_r [R pad, 1], pid_v [1, V pad], valid [R pad,
+    V pad] come from the kernel's index math (offs = pid * BLOCK + arange(BLOCK)); tops[r] = the top-k ids of tile
+    row r (local to the tile)."""
+    import torch
+    from matplotlib.colors import ListedColormap
+
+    (BLOCK_R, BLOCK_V), (i0, v0) = blocks, pick
+    R, V = int(valid[:, 0].sum()), int(valid[0].sum())
+    NR, NT = pid_r.shape[0] // BLOCK_R, pid_v.shape[1] // BLOCK_V
+    r0, c0 = i0 * BLOCK_R, v0 * BLOCK_V
+    owner = torch.where(valid, ((pid_r + pid_v) % 2).float(), float("nan"))
+    owner[(pid_r == i0) & (pid_v == v0) & valid] = 2.0
+    lm_read = torch.zeros(D, NT * BLOCK_V)
+    lm_read[:, c0:min(c0 + BLOCK_V, V)] = 2.0
+    lm_read[:, V:] = float("nan")
+    z_read = torch.zeros(NR * BLOCK_R, D)
+    z_read[r0:r0 + BLOCK_R] = 2.0
+    z_read[R:] = float("nan")
+    cmap = ListedColormap(["#deebf7", "#9ecae1", "#08519c"])       # two program shades, and the program we follow
+    cmap.set_bad("#d9d9d9")                                         # masked: past R or past V
+    fig = plt.figure(figsize=(11, 4.6))
+    gs = fig.add_gridspec(2, 2, width_ratios=(3.2, 1), height_ratios=(1, 1.4))
+    panels = ((gs[0, 0], owner, f"the grid: program (i, v) computes logits [rows of block i] x [ids of tile v]; "
+               f"R={R}, V={V}", "vocabulary id j", "row r = b*H + h"),
+              (gs[1, 0], lm_read, f"program {pick} reads lm_head[{c0}:{c0 + BLOCK_V}] (drawn transposed, [D, V]): "
+               "no other program reads these rows", "vocabulary id j", "d"),
+              (gs[0, 1], z_read, f"... and z[{r0}:{r0 + BLOCK_R}] (rows >= {R} masked)", "d", "row r"))
+    for spec, img, title, xlabel, ylabel in panels:
+        ax = fig.add_subplot(spec)
+        ax.imshow(img, cmap=cmap, vmin=0, vmax=2, aspect="auto", interpolation="nearest")
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        if img is owner:
+            for i in range(NR):
+                for v in range(NT):
+                    cx = (v * BLOCK_V + min((v + 1) * BLOCK_V, V)) / 2 - 0.5      # centre of the unmasked part
+                    cy = (i * BLOCK_R + min((i + 1) * BLOCK_R, R)) / 2 - 0.5
+                    ax.text(cx, cy, f"({i},{v})", ha="center", va="center", fontsize=8,
+                            color="w" if (i, v) == tuple(pick) else "k")
+    ax = fig.add_subplot(gs[1, 1])
+    ax.imshow(tile, cmap="Greys", alpha=0.5, aspect="auto", interpolation="nearest")
+    for r, top in enumerate(tops):
+        for rank, j in enumerate(top):
+            ax.text(j, r, str(rank + 1), ha="center", va="center", fontsize=9, color="tab:red", fontweight="bold")
+    ax.set_title(f"its logits tile in registers, tile top-{len(tops[0])} numbered", fontsize=9)
+    ax.set_xlabel(f"id - {c0}")
+    ax.set_ylabel(f"row - {r0}")
+    fig.tight_layout()
+    return fig
+
+
+def speedup_ladder_figure(panels, title=""):
+    """Speedup ladders side by side, one panel per machine: panels = [(panel title, rungs)], rungs bottom to top as
+    dicts(label, tok_s, ratio_text, note): a horizontal bar per rung (tokens/s), the ratio over the rung it names
+    at the bar's end, and the rung's tau and c(T) (or what else it says) under its label."""
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.6 * len(panels), 0.75 * max(len(r) for _, r in panels) + 1.3),
+                             squeeze=False)
+    for ax, (ptitle, rungs) in zip(axes[0], panels):
+        y = range(len(rungs))
+        ax.barh(list(y), [r["tok_s"] for r in rungs], color=[f"C{i}" for i in y], alpha=0.8)
+        top = max(r["tok_s"] for r in rungs)
+        for i, r in enumerate(rungs):
+            ax.text(r["tok_s"] + 0.01 * top, i, r.get("ratio_text", ""), va="center", fontsize=8)
+        ax.set_yticks(list(y))
+        ax.set_yticklabels([f"{r['label']}\n{r.get('note', '')}".strip() for r in rungs], fontsize=8)
+        ax.set_xlim(0, top * 1.55)
+        ax.set_xlabel("decode tokens/s (batch 1)")
+        ax.set_title(ptitle, fontsize=9)
+        ax.grid(axis="x", alpha=0.3)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def step_timeline_figure(lanes, total_ms, title=""):
+    """A profiler timeline of one step: lanes = {lane name: [(start_ms, duration_ms, category)]}, one row of spans per
+    lane (e.g. the host's ops, the device's kernels), coloured by category."""
+    import matplotlib.pyplot as plt
+    cats = list(dict.fromkeys(c for spans in lanes.values() for _, _, c in spans))
+    color = {c: f"C{i}" for i, c in enumerate(cats)}
+    fig, ax = plt.subplots(figsize=(9, 0.6 * len(lanes) + 1.2))
+    for i, (lane, spans) in enumerate(lanes.items()):
+        for c in cats:
+            bars = [(s, d) for s, d, k in spans if k == c]
+            if bars:
+                ax.broken_barh(bars, (i - 0.35, 0.7), color=color[c], label=c if i == 0 or c not in
+                               {k for sp in list(lanes.values())[:i] for _, _, k in sp} else None)
+    ax.set_yticks(range(len(lanes)))
+    ax.set_yticklabels(list(lanes), fontsize=8)
+    ax.set_xlim(0, total_ms)
+    ax.set_xlabel("ms since the step began")
+    ax.set_title(title, fontsize=9, loc="left")
+    ax.legend(fontsize=7, ncol=min(len(cats), 5), loc="lower right", bbox_to_anchor=(1.0, 1.0), frameon=False)
     fig.tight_layout()
     return fig

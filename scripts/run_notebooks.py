@@ -1,6 +1,6 @@
 """Execute the lessons in place, so that their committed outputs come from the package as it is now.
 
-    python scripts/run_notebooks.py                 # every notebooks/NN-*.ipynb
+    python scripts/run_notebooks.py                 # every notebooks/NN-*.ipynb (and NNa-*.ipynb)
     python scripts/run_notebooks.py 05 07           # some of them
 
 Each notebook's first code cell prints `mtp_lab.provenance.stamp()` (versions). After the last cell, the hashes of
@@ -21,9 +21,9 @@ MANIFEST = "import json; from mtp_lab.provenance import code_manifest; print(jso
 
 
 def ensure_stamp(nb):
-    """Put the stamp line at the end of the first code cell (once)."""
+    """Put the stamp line at the end of the first code cell (once), unless it calls lesson.setup(), which prints it."""
     cell = next(c for c in nb.cells if c.cell_type == "code")
-    if STAMP not in cell.source:
+    if STAMP not in cell.source and "lesson.setup(" not in cell.source:
         cell.source = cell.source.rstrip() + "\n" + STAMP
     return nb
 
@@ -51,7 +51,7 @@ def run(path, timeout=900):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    paths = sorted((ROOT / "notebooks").glob("[0-9][0-9]-*.ipynb"))
+    paths = sorted((ROOT / "notebooks").glob("[0-9][0-9]*-*.ipynb"))
     if argv:
         paths = [p for p in paths if any(p.name.startswith(a) for a in argv)]
     for p in paths:

@@ -5,7 +5,7 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]-*.ipynb"))
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]*-*.ipynb"))
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
@@ -72,3 +72,60 @@ def test_code_manifest_and_changed_files(tmp_path):
     (tmp_path / "a.py").write_text("x = 2\n")
     (tmp_path / "b.py").unlink()
     assert v.changed_files(manifest, str(tmp_path)) == ["a.py", "b.py"]
+
+
+KERNEL_LESSONS = ("02", "03a", "03b", "04")
+
+
+def _cells(path):
+    import nbformat
+    return nbformat.read(path, as_version=4).cells
+
+
+def _output_lines(cell):
+    text = "".join(o.get("text", "") if o.get("output_type") == "stream"
+                   else o.get("data", {}).get("text/plain", "") for o in cell.get("outputs", []))
+    return len(text.splitlines())
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_a_lesson_stays_readable(path):
+    """A lesson is at most ~500 code lines, no markdown cell runs past 300 words and no output past 40 lines, and its
+    first code cell is lesson.setup() (device, interpreter, versions)."""
+    cells = _cells(path)
+    code = [c for c in cells if c.cell_type == "code"]
+    assert sum(len(c.source.splitlines()) for c in code) <= 550
+    assert "lesson.setup(" in code[0].source
+    assert max(len(c.source.split()) for c in cells if c.cell_type == "markdown") <= 300
+    assert max(_output_lines(c) for c in code) <= 40
+
+
+@pytest.mark.parametrize("prefix", KERNEL_LESSONS)
+def test_a_kernel_lesson_ends_in_a_benchmark_plot(prefix):
+    """The last figure of a kernel lesson is drawn by lesson.bench_plot, after every exercise."""
+    path = next(p for p in NOTEBOOKS if p.name.startswith(prefix + "-"))
+    code = [c for c in _cells(path) if c.cell_type == "code"]
+    plots = [i for i, c in enumerate(code) if "bench_plot(" in c.source]
+    assert plots and any(o.get("data", {}).get("image/png") for o in code[plots[-1]].outputs)
+    assert all(i < plots[-1] for i, c in enumerate(code) if "lesson.exercise(" in c.source)
+
+
+def test_an_exercise_is_red_until_solved_and_its_solution_must_pass(monkeypatch):
+    """lesson.exercise: no answer or a wrong one shows a red box and hands back the solution; a right one a green
+    box; a shipped solution that fails its own check stops the notebook."""
+    monkeypatch.syspath_prepend(str(ROOT / "notebooks"))
+    import lesson
+    shown = []
+    monkeypatch.setattr(lesson, "_box", lambda ok, text: shown.append((ok, text)))
+
+    def check(fn):
+        assert fn(3) == 9, "3 squared is 9"
+
+    square, wrong = (lambda x: x * x), (lambda x: x + 6 if x != 3 else 0)
+    assert lesson.exercise("1", None, square, check) is square and shown[-1][0] is False
+    assert lesson.exercise("1", wrong, square, check) is square and shown[-1][0] is False
+    assert "3 squared is 9" in shown[-1][1]
+    mine = lambda x: x ** 2                                            # noqa: E731
+    assert lesson.exercise("1", mine, square, check) is mine and shown[-1][0] is True
+    with pytest.raises(AssertionError):
+        lesson.exercise("1", None, wrong, check)
