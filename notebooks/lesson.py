@@ -54,15 +54,15 @@ def exercise(title, mine, solution, check):
 
     The shipped `solution` is checked first and must pass (CI runs it: a broken solution stops the notebook). Then
     `mine` shows a red box until it passes, without stopping the notebook. Returns `mine` if it passed, else the
-    solution, so the cells below run either way."""
+    solution, for the cells that go on with it."""
     check(solution)
     if mine is None:
-        _box(False, f"exercise {title}: not written yet — the cells below use the shipped solution")
+        _box(False, f"exercise {title}: not written yet — the shipped solution stands in for it")
         return solution
     try:
         check(mine)
     except Exception as e:                          # noqa: BLE001 -- any failure of the learner's code is a red box
-        _box(False, f"exercise {title}: {type(e).__name__}: {e} — the cells below use the shipped solution")
+        _box(False, f"exercise {title}: {type(e).__name__}: {e} — the shipped solution stands in for it")
         return solution
     _box(True, f"exercise {title}: your answer passes")
     return mine
