@@ -107,5 +107,5 @@ class DraftBlock(nn.Module):
         eng.layers = nn.ModuleList([self.block])
         eng.norm = self.recurrent
         eng.inv_freq = self.inv_freq(w.device)
-        eng.pack_weights = model.pack_weights
+        eng.pack_weights, eng.script_layers = model.pack_weights, model.script_layers
         return eng.eval()

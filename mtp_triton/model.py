@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import invariant
+from . import invariant, scripted
 from .config import ROPE_TYPES, ModelConfig  # noqa: F401  (ModelConfig: public here too)
 from .kernels.tree_attention_ref import Keys, Plan, attention, check_tree_values, plain_attention, plain_plan, plan
 from .packed import packed_layers
@@ -119,7 +119,8 @@ class Paged:
 def layer(x, cos, sin, blk, packed, k_cache, v_cache, attend, a=None):
     """One decoder layer over T nodes per sequence: x [B, T, D] -> (x [B, T, D], k, v [B, T, Hkv, Dh]: the nodes' K/V,
     which `forward_tree` stacks into the step's tree buffers). The body of `forward_tree`; the "compiled" kind of ops
-    runs this same function through `torch.compile` (mtp_triton/compiled.py).
+    runs this same function through `torch.compile` (mtp_triton/compiled.py), and a plain step on packed weights makes
+    its calls from TorchScript (`scripted.layer`, bit for bit the same).
 
     cos, sin [B, T, 1, Dh]; blk: the layer's Block (norms; its nn.Linear layers when packed is None); packed: its
     (qkv, o, gate_up, down) packed linears, or None; k_cache, v_cache [NB, BS, Hkv, Dh]: this layer's cache.
@@ -208,6 +209,7 @@ class LlamaEngine(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.pack_weights = True     # bf16/fp32 on a CPU: matmuls on prepacked weights (mtp_triton/packed.py)
+        self.script_layers = True    # a plain step on packed weights runs its layers from TorchScript (scripted.py)
 
     @property
     def device(self):
@@ -268,6 +270,9 @@ class LlamaEngine(nn.Module):
         cos, sin = self.rope(positions)
         x = self.embed_tokens(tokens) if embeds is None else embeds            # [B, T, D]
         packed = packed_layers(self)                # None: the nn.Linear layers (bf16: the same bits, slower)
+        if (not exact and packed and self.script_layers and ops.kind in ("torch", "compiled")
+                and scripted.available()):
+            run = scripted.layer                    # `layer`'s calls from TorchScript; `_attend` gives it Keys
         attends, ks, vs = {}, [], []                # the step's layout, once per sliding window; the nodes' K/V
         tapped = {}                                 # layer id -> the residual stream entering it
         for l, (blk, kc, vc) in enumerate(zip(self.layers, cache.k.unbind(0), cache.v.unbind(0))):

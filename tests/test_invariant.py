@@ -116,14 +116,19 @@ def test_bf16_mtp_equals_serial_end_to_end(tree):
 def test_the_cpu_engine_attends_through_the_twin(monkeypatch):
     """kernels="torch" (and "auto" on a CPU) runs every layer's attention through the twin's own pieces, the ones
     `reference.tree_attention` is made of: the exact `attention` on the step's `plan` in bf16, `plain_attention` on
-    its `plain_plan` in fp32 (no private attention in the engine), each step planned once for all layers."""
+    its `plain_plan` in fp32 (no private attention in the engine; on packed weights the fp32 layer runs from
+    TorchScript, scripted.py, whose calls are `plain_attention`'s: tests/test_scripted.py), each step planned once for
+    all layers."""
     import mtp_triton.kernels.tree_attention_ref as twin
     import mtp_triton.model as engine
+    from mtp_triton import scripted
     assert engine.attention is twin.attention and engine.plain_attention is twin.plain_attention
     seen, plans = [], []
     for name, exact in (("attention", True), ("plain_attention", False)):
         real = getattr(twin, name)
         monkeypatch.setattr(engine, name, lambda *a, real=real, exact=exact, **kw: seen.append(exact) or real(*a, **kw))
+    real_layer = scripted.layer
+    monkeypatch.setattr(scripted, "layer", lambda *a, **kw: seen.append(False) or real_layer(*a, **kw))
     for name in ("plan", "plain_plan"):
         real = getattr(twin, name)
         monkeypatch.setattr(engine, name, lambda *a, real=real, **kw: plans.append(1) or real(*a, **kw))

@@ -13,7 +13,9 @@ Phases per step (from generate()'s own timers; CUDA events on a GPU, perf_counte
                        host sync per step, tree pruning); on a GPU also the time the GPU waits for the host
 
 The attention split wraps `tree_attention` of the ops that generate() asks for (`timed_attention`), so the
-decoder itself is unchanged; the first L calls of each generate() are the prefill and are not counted.
+decoder itself is unchanged; the first L calls of each generate() are the prefill and are not counted. On a CPU the
+plain packed step runs its layers from TorchScript (mtp_triton/scripted.py), where no Python wrapper can time the
+attention: `phase_rows` runs the Python layer instead (the same calls and results, a few ms slower per step).
 On a GPU, `kernel_rows` adds a torch.profiler table: per-kernel GPU time of N decode steps (a run of N tokens
 minus a run of 1 token, so prefill cancels), grouped into attention / GEMM / draft / accept / append / other.
 """
@@ -81,28 +83,39 @@ def phase_rows(model, prompts, max_new_tokens, configs, base=None):
     configs: list of (name, generate() keyword arguments or a function of the prompt index returning them: a
     synthetic drafter must be built for the prompt it drafts for).
     """
+    rows, scripted = [], model.script_layers
+    model.script_layers = False                     # the Python layer, whose attention calls can be timed (above)
+    try:
+        for name, kw in configs:
+            rows += _phases(model, prompts, max_new_tokens, name, kw, base)
+    finally:
+        model.script_layers = scripted
+    return rows
+
+
+def _phases(model, prompts, max_new_tokens, name, kw, base):
+    """phase_rows' rows of one config."""
     rows = []
-    for name, kw in configs:
-        generate(model, prompts[:1], min(8, max_new_tokens), **_kw(kw, 0))             # warm-up
-        tot, steps, decode_tokens = defaultdict(float), 0, 0
-        with timed_attention(model.config.num_hidden_layers, model.device) as att:
-            for i, p in enumerate(prompts):
-                s = generate(model, [p], max_new_tokens, **_kw(kw, i)).stats.as_dict()
-                for phase in ("draft", "verify", "accept", "append"):
-                    tot[phase] += s[f"time_{phase}_s"]
-                tot["wall"] += s["total_s"] - s["ttft_s"]
-                steps += s["steps"]
-                decode_tokens += s["new_tokens"] - 1
-            attention = att.result()["attention"]
-        per = {"draft": tot["draft"], "verify-attention": attention, "verify-other": tot["verify"] - attention,
-               "accept": tot["accept"], "append": tot["append"]}
-        per["python-overhead"] = tot["wall"] - sum(per.values())
-        per = {k: v / max(steps, 1) for k, v in per.items()}                       # seconds per step
-        step = sum(per.values())
-        for ph in PHASES:
-            rows.append(dict(base or {}, table="phases", config=name, phase=ph, ms_per_step=1e3 * per[ph],
-                             fraction=per[ph] / step if step > 0 else float("nan"), step_ms=1e3 * step,
-                             tau=decode_tokens / max(steps, 1), tokens_per_s=decode_tokens / tot["wall"]))
+    generate(model, prompts[:1], min(8, max_new_tokens), **_kw(kw, 0))             # warm-up
+    tot, steps, decode_tokens = defaultdict(float), 0, 0
+    with timed_attention(model.config.num_hidden_layers, model.device) as att:
+        for i, p in enumerate(prompts):
+            s = generate(model, [p], max_new_tokens, **_kw(kw, i)).stats.as_dict()
+            for phase in ("draft", "verify", "accept", "append"):
+                tot[phase] += s[f"time_{phase}_s"]
+            tot["wall"] += s["total_s"] - s["ttft_s"]
+            steps += s["steps"]
+            decode_tokens += s["new_tokens"] - 1
+        attention = att.result()["attention"]
+    per = {"draft": tot["draft"], "verify-attention": attention, "verify-other": tot["verify"] - attention,
+           "accept": tot["accept"], "append": tot["append"]}
+    per["python-overhead"] = tot["wall"] - sum(per.values())
+    per = {k: v / max(steps, 1) for k, v in per.items()}                       # seconds per step
+    step = sum(per.values())
+    for ph in PHASES:
+        rows.append(dict(base or {}, table="phases", config=name, phase=ph, ms_per_step=1e3 * per[ph],
+                         fraction=per[ph] / step if step > 0 else float("nan"), step_ms=1e3 * step,
+                         tau=decode_tokens / max(steps, 1), tokens_per_s=decode_tokens / tot["wall"]))
     return rows
 
 
