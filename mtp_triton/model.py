@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import invariant, scripted
+from . import invariant
 from .config import ROPE_TYPES, ModelConfig  # noqa: F401  (ModelConfig: public here too)
 from .kernels.tree_attention_ref import Keys, Plan, attention, check_tree_values, plain_attention, plain_plan, plan
 from .packed import packed_layers
@@ -58,10 +58,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        # as transformers: normalise in fp32, cast back, then scale
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x, w, eps: float):
+    """x [..., D] -> w * (x / sqrt(mean(x^2) + eps)), as transformers computes it: normalised in fp32, cast back to
+    x's dtype, then scaled (typed for TorchScript: mtp_triton/scripted.py calls it too)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return w * x32.to(x.dtype)
 
 
 def rope_tables(positions, inv_freq):
@@ -119,8 +124,8 @@ class Paged:
 def layer(x, cos, sin, blk, packed, k_cache, v_cache, attend, a=None):
     """One decoder layer over T nodes per sequence: x [B, T, D] -> (x [B, T, D], k, v [B, T, Hkv, Dh]: the nodes' K/V,
     which `forward_tree` stacks into the step's tree buffers). The body of `forward_tree`; the "compiled" kind of ops
-    runs this same function through `torch.compile` (mtp_triton/compiled.py), and a plain step on packed weights makes
-    its calls from TorchScript (`scripted.layer`, bit for bit the same).
+    runs this same function through `torch.compile` (mtp_triton/compiled.py), and the twins run a plain step on packed
+    weights through the same calls from TorchScript (`scripted.layer`, bit for bit the same).
 
     cos, sin [B, T, 1, Dh]; blk: the layer's Block (norms; its nn.Linear layers when packed is None); packed: its
     (qkv, o, gate_up, down) packed linears, or None; k_cache, v_cache [NB, BS, Hkv, Dh]: this layer's cache.
@@ -270,9 +275,8 @@ class LlamaEngine(nn.Module):
         cos, sin = self.rope(positions)
         x = self.embed_tokens(tokens) if embeds is None else embeds            # [B, T, D]
         packed = packed_layers(self)                # None: the nn.Linear layers (bf16: the same bits, slower)
-        if (not exact and packed and self.script_layers and ops.kind in ("torch", "compiled")
-                and scripted.available()):
-            run = scripted.layer                    # `layer`'s calls from TorchScript; `_attend` gives it Keys
+        if not exact and packed and self.script_layers and hasattr(ops, "plain_layer"):
+            run = ops.plain_layer                   # the twins' `layer` from TorchScript (scripted.py): Keys plans
         attends, ks, vs = {}, [], []                # the step's layout, once per sliding window; the nodes' K/V
         tapped = {}                                 # layer id -> the residual stream entering it
         for l, (blk, kc, vc) in enumerate(zip(self.layers, cache.k.unbind(0), cache.v.unbind(0))):

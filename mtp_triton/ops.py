@@ -10,7 +10,8 @@ kernels (KINDS):
     "auto"      triton on a CUDA device, torch elsewhere
 The sets have the same signatures, so swapping them changes nothing but speed (and fp rounding). Each set also
 carries its numerical policy, `ops.numerics(device, dtype)` (see `numerics`), so the engine and the drafters ask the
-ops they run with and never decide it themselves; the compiled set adds `layer` (the compiled decoder layer).
+ops they run with and never decide it themselves; the compiled set adds `layer` (the compiled decoder layer), and
+the twins' sets `plain_layer` (a plain step's layer on packed CPU weights, from TorchScript: scripted.py).
 """
 import functools
 import os
@@ -20,7 +21,7 @@ from types import SimpleNamespace
 
 import torch
 
-from . import invariant, reference
+from . import invariant, reference, scripted
 from .compiled import compiled_layer
 from .kernels import KERNELS, interpreter_enabled, launcher
 
@@ -34,13 +35,14 @@ def _ops(kind, fns, **extra):
 
 
 def torch_ops():
-    return _ops("torch", {n: getattr(reference, n) for n in NAMES})
+    return _ops("torch", {n: getattr(reference, n) for n in NAMES}, plain_layer=scripted.layer)
 
 
 def compiled_ops(device="cpu"):
     if str(device).startswith("cuda"):
         raise ValueError("kernels='compiled' is the CPU path; on a CUDA device use 'triton' (with cuda_graph=True)")
-    return _ops("compiled", {n: getattr(reference, n) for n in NAMES}, layer=compiled_layer())
+    return _ops("compiled", {n: getattr(reference, n) for n in NAMES}, layer=compiled_layer(),
+                plain_layer=scripted.layer)
 
 
 def triton_ops(device="cuda"):

@@ -4,21 +4,25 @@ Why. On a CPU a small model's plain decode step spends a large share of its time
 layer's ~45 ATen calls (norms, RoPE, the attention's gathers, the residual adds) is reached through a few microseconds
 of Python (`model.layer`, `RMSNorm.forward`, `apply_rope`, `plain_attention`, the ops' argument parsing). TorchScript
 runs the same body from C++, so only the calls themselves remain. Unlike torch.compile (compiled.py) it generates no
-code: every call is the ATen call the eager layer makes.
+code: every call is one the eager layer makes.
 
-Same bits. `packed_layer` makes, in the same order and with the same arguments, the calls that `model.layer` makes
-for a plain step (not the exact mode) on packed weights (packed.py) whose attention is the twins' `Keys` plan:
+Same bits. `_layer` calls the same ATen kernels, in the same order and on the same operands, as `model.layer` for a
+plain step (not the exact mode) on packed weights (packed.py) whose attention is the twins' `Keys` plan, and shares
+its pieces (`model.rms_norm`, `model.apply_rope`, `tree_attention_ref.paged_keys`):
     h = RMSNorm(x) (or a);  q, k, v = split(h Wqkv);  [Qwen3: RMSNorm over Dh of q and k];  q, k = RoPE(q), RoPE(k)
     o = SDPA(q, [cache blocks; k], [cache blocks; v], bias);  x = x + o Wo
     h = RMSNorm(x);  g, u = split(h Wgu);  x = x + (silu(g) * u) Wd
-so each output has the eager layer's bits (tests/test_scripted.py compares them bit for bit, and greedy tokens).
-TorchScript's CPU fuser is off by default, and no pass here rewrites a call's arithmetic.
+so each output has the eager layer's bits (tests/test_scripted.py compares them bit for bit, and greedy tokens), and
+the op count per step is the same (one overload differs: the norms' eps reaches the dispatcher as add.Scalar, not
+add.Tensor). TorchScript's CPU fuser is off by default, and no pass here rewrites a call's arithmetic. Every norm of a
+`Block` is built with the config's one rms_norm_eps, so the layer takes one eps.
 
-Where it runs: `LlamaEngine.forward_tree` takes `layer` from here for a step that is not exact, on packed weights
-(`packed_layers`), with the twins ("torch" or "compiled" kind, whose plain step attends through `Keys`), while
-`model.script_layers` is on (the default). The exact mode, the Triton kernels, nn.Linear weights and autograd run
-`model.layer` itself. TorchScript is deprecated in PyTorch 2.13 (a DeprecationWarning, silenced here); if scripting
-fails, `available()` says so once and `model.layer` runs, with the same bits.
+Where it runs: the twins' ops ("torch", "compiled") carry `layer` as `plain_layer`, and `LlamaEngine.forward_tree`
+runs it for a step that is not exact, on packed weights (`packed_layers`: fp32 and, on CPUs that multiply bf16
+natively, bf16: prefill and the drafters' plain steps), while `model.script_layers` is on (the default). The exact
+mode, the Triton kernels, nn.Linear weights and autograd run `model.layer` itself. TorchScript is deprecated in
+PyTorch 2.13 (a DeprecationWarning, silenced here); if scripting fails, it warns once and `model.layer` runs, with
+the same bits.
 """
 import functools
 import warnings
@@ -27,25 +31,14 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
-
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """model.RMSNorm.forward: normalise in fp32, cast back, then scale."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return w * x32.to(x.dtype)
+from .kernels.tree_attention_ref import paged_keys
+from .model import apply_rope, layer as python_layer, rms_norm
 
 
 def _linear(x: torch.Tensor, packed: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
     """packed.PackedLinear's eager call: x [..., K] -> [..., N] through oneDNN's packed weight."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none",
                                               torch.jit.annotate(List[Optional[number]], []), "")  # noqa: F821
-
-
-def _keys(cache: torch.Tensor, tree: torch.Tensor, blocks: torch.Tensor, acc: int, B: int) -> torch.Tensor:
-    """plain_attention's keys for the engine's finite caches: [cache blocks; tree] [B, Hkv, m + T, Dh] in acc."""
-    Hkv, Dh = cache.shape[2], cache.shape[3]
-    x = torch.cat([cache.index_select(0, blocks).view(B, -1, Hkv, Dh), tree], 1)
-    return x.to(acc).transpose(1, 2)
 
 
 def _layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ln1: torch.Tensor, ln2: torch.Tensor, eps: float,
@@ -59,18 +52,20 @@ def _layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ln1: torch.Ten
     a [B, T, D_a] or None (what q, k, v are projected from). -> (x [B, T, D], k, v [B, T, Hkv, Dh])"""
     B, T = x.shape[0], x.shape[1]
     Hkv, Dh = k_cache.shape[2], k_cache.shape[3]
-    h = _rms(x, ln1, eps) if a is None else a
+    h = rms_norm(x, ln1, eps) if a is None else a
     y = _linear(h, qkv, qkv_b).reshape(B, T, Hq + 2 * Hkv, Dh)
     qk, v = y.split([Hq + Hkv, Hkv], 2)
     if q_norm is not None and k_norm is not None:
-        qk = torch.cat([_rms(qk[:, :, :Hq], q_norm, eps), _rms(qk[:, :, Hq:], k_norm, eps)], 2)
-    q, k = (qk * cos + qk.roll(Dh // 2, -1) * sin).split([Hq, Hkv], 2)
-    acc = bias.dtype
-    att = F.scaled_dot_product_attention(q.to(acc).transpose(1, 2), _keys(k_cache, k, blocks, acc, B),
-                                         _keys(v_cache, v, blocks, acc, B), attn_mask=bias, enable_gqa=True)
+        qk = torch.cat([rms_norm(qk[:, :, :Hq], q_norm, eps), rms_norm(qk[:, :, Hq:], k_norm, eps)], 2)
+    q, k = apply_rope(qk, cos, sin).split([Hq, Hkv], 2)
+    acc = bias.dtype                                        # plain_attention(finite=True): no masked_fill
+    att = F.scaled_dot_product_attention(q.to(acc).transpose(1, 2),
+                                         paged_keys(k_cache, k, blocks, B).to(acc).transpose(1, 2),
+                                         paged_keys(v_cache, v, blocks, B).to(acc).transpose(1, 2),
+                                         attn_mask=bias, enable_gqa=True)
     att = att.transpose(1, 2).to(q.dtype)
     x = x + _linear(att.reshape(B, T, Hq * Dh), o, o_b)
-    h = _rms(x, ln2, eps)
+    h = rms_norm(x, ln2, eps)
     g, u = _linear(h, gu, gu_b).chunk(2, -1)
     return x + _linear(F.silu(g) * u, dn, dn_b), k, v
 
@@ -88,18 +83,21 @@ def scripted_layer():
         return None
 
 
-def available():
-    """Can `layer` run here (TorchScript scripts `_layer`)?"""
-    return scripted_layer() is not None
-
-
 def layer(x, cos, sin, blk, packed, k_cache, v_cache, attend, a=None):
     """`model.layer`'s signature and results for a plain packed step (attend: a `Keys` plan), through the TorchScript
-    function. blk: the layer's Block (its norms); packed: its (qkv, o, gate_up, down) PackedLinears."""
+    function (`model.layer` itself where scripting failed). blk: the layer's Block (its norms); packed: its
+    (qkv, o, gate_up, down) PackedLinears."""
+    fn = scripted_layer()
+    if fn is None:
+        return python_layer(x, cos, sin, blk, packed, k_cache, v_cache, attend, a)
     qkv, o, gu, dn = packed
     qn, kn = getattr(blk, "q_norm", None), getattr(blk, "k_norm", None)
     Hq = blk.q_proj.out_features // k_cache.shape[-1]
-    return scripted_layer()(x, cos, sin, blk.input_layernorm.weight, blk.post_attention_layernorm.weight,
-                            blk.input_layernorm.eps, qkv.packed, qkv.b, o.packed, o.b, gu.packed, gu.b, dn.packed,
-                            dn.b, None if qn is None else qn.weight, None if kn is None else kn.weight, k_cache,
-                            v_cache, attend.blocks, attend.bias, Hq, a)
+    return fn(x, cos, sin, blk.input_layernorm.weight, blk.post_attention_layernorm.weight, blk.input_layernorm.eps,
+              qkv.packed, qkv.b, o.packed, o.b, gu.packed, gu.b, dn.packed, dn.b, None if qn is None else qn.weight,
+              None if kn is None else kn.weight, k_cache, v_cache, attend.blocks, attend.bias, Hq, a)
+
+
+def available():
+    """Does the engine's plain packed step run from TorchScript here (torch.jit.script scripts `_layer`)?"""
+    return scripted_layer() is not None

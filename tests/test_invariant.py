@@ -127,8 +127,8 @@ def test_the_cpu_engine_attends_through_the_twin(monkeypatch):
     for name, exact in (("attention", True), ("plain_attention", False)):
         real = getattr(twin, name)
         monkeypatch.setattr(engine, name, lambda *a, real=real, exact=exact, **kw: seen.append(exact) or real(*a, **kw))
-    real_layer = scripted.layer
-    monkeypatch.setattr(scripted, "layer", lambda *a, **kw: seen.append(False) or real_layer(*a, **kw))
+    real_layer = scripted.scripted_layer()
+    monkeypatch.setattr(scripted, "scripted_layer", lambda: lambda *a: seen.append(False) or real_layer(*a))
     for name in ("plan", "plain_plan"):
         real = getattr(twin, name)
         monkeypatch.setattr(engine, name, lambda *a, real=real, **kw: plans.append(1) or real(*a, **kw))

@@ -13,7 +13,7 @@ from mtp_triton.tree import PRESETS, Tree
 from hf_models import make_hf
 
 MODELS = ["gqa-hd16-v203-untied-L2", "qwen2-gqa-hd16-v203-untied-L2", "qwen3-mha-hd10-v97-tied-bias-L2",
-          "mistral-win5-mha-hd20-v131-L1", "qwen2-swa6-layer1-L2"]
+          "mistral-win5-mha-hd20-v131-L1", "qwen2-swa6-layer1-L2", "llama-biases"]
 PROMPTS = [[5, 17, 33, 42, 90, 1] * 6, [7, 8, 9], list(range(10, 47))]
 
 
@@ -22,18 +22,25 @@ def _model(name, dtype=torch.float32):
         pytest.skip(f"this CPU cannot pack {dtype} weights (packing_applies is False): the layer never runs")
     if not scripted.available():
         pytest.skip("torch.jit.script fails in this torch: the engine runs its Python layer")
+    if name == "llama-biases":                      # a bias on every linear layer: q/k/v, o and the MLP's
+        hf = make_hf(MODELS[0], attention_bias=True, mlp_bias=True)
+        with torch.no_grad():
+            for pname, p in hf.named_parameters():
+                if pname.endswith(".bias"):         # transformers starts them at 0, which would hide a lost bias
+                    p.normal_(0.0, 0.2)
+        return mt.LlamaEngine.from_hf(hf, dtype=dtype)
     return mt.LlamaEngine.from_hf(make_hf(name), dtype=dtype)
 
 
 def _counted(monkeypatch):
-    """Count the calls the engine makes to scripted.layer."""
+    """Count the calls the engine makes to the TorchScript function."""
     calls = [0]
-    real = scripted.layer
+    real = scripted.scripted_layer()
 
-    def spy(*args, **kw):
+    def spy(*args):
         calls[0] += 1
-        return real(*args, **kw)
-    monkeypatch.setattr(scripted, "layer", spy)
+        return real(*args)
+    monkeypatch.setattr(scripted, "scripted_layer", lambda: spy)
     return calls
 
 
@@ -49,10 +56,11 @@ def _step(model, tree, on, lens=(40, 23)):
     return h, k, v, model.logits(h)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("tree", ["chain-1", "medusa-16"])
-def test_a_step_has_the_python_layers_bits(name, tree, monkeypatch):
-    model = _model(name)
+def test_a_step_has_the_python_layers_bits(name, tree, dtype, monkeypatch):
+    model = _model(name, dtype)
     tree = Tree.from_choices(PRESETS[tree])
     python = _step(model, tree, False)
     calls = _counted(monkeypatch)
@@ -89,6 +97,31 @@ def test_greedy_decoding_is_unchanged(name):
         out[on] = (mt.generate(model, PROMPTS, 20, mtp=False).tokens,
                    mt.generate(model, PROMPTS, 20, heads=heads, tree="medusa-16").tokens)
     assert out[True] == out[False] and out[True][0] == out[True][1]
+
+
+@torch.no_grad()
+def test_the_attention_input_a_has_the_python_layers_bits(monkeypatch):
+    """EAGLE-3's block projects q, k, v from a = [RMSNorm(E x); RMSNorm(u)] (`layer`'s a, D_a = 2D)."""
+    from mtp_triton import model as engine
+    from mtp_triton.kernels.tree_attention_ref import plain_plan
+    model = _model(MODELS[0])
+    cfg, T = model.config, 5
+    mod = Eagle3Module.from_target(model, torch.arange(0, 203, 2), (0, 1, 2))
+    eng = mod.engine(model)
+    cache = eng.new_cache([12 + T])
+    cache.cache_lens[0] = 12
+    torch.manual_seed(1)
+    cache.k.normal_(), cache.v.normal_()
+    x, a = torch.randn(1, T, cfg.hidden_size), torch.randn(1, T, 2 * cfg.hidden_size)
+    tree = Tree.from_choices(PRESETS["medusa-16"]).mask[:T, :T]
+    keys = plain_plan(cache.block_table, cache.cache_lens, tree, cache.k.shape[1], cache.block_size)
+    cos, sin = eng.rope(12 + torch.arange(T)[None])
+    packed = engine.packed_layers(eng).layer(0)
+    args = (x, cos, sin, eng.layers[0], packed, cache.k[0], cache.v[0], keys, a)
+    calls = _counted(monkeypatch)
+    for want, got in zip(engine.layer(*args), scripted.layer(*args)):
+        assert torch.equal(want, got)
+    assert calls[0] == 1
 
 
 def test_eagle3_drafts_are_unchanged():

@@ -213,6 +213,13 @@ def plain_plan(block_table, cache_lens, tree_mask, num_blocks, block_size, windo
     return Keys(blocks.reshape(-1), bias, visible.any(1)[:, :, None, None])
 
 
+def paged_keys(cache, tree, blocks, B: int):
+    """cache [NB, BS, Hkv, Dh] (one layer), tree [B, T, Hkv, Dh], blocks [B * nblk] -> [B, nblk * BS + T, Hkv, Dh]:
+    each sequence's cache blocks, then its tree nodes (typed for TorchScript: mtp_triton/scripted.py calls it too)."""
+    Hkv, Dh = cache.shape[2], cache.shape[3]
+    return torch.cat([cache.index_select(0, blocks).view(B, -1, Hkv, Dh), tree], 1)
+
+
 def plain_attention(q, k_cache, v_cache, k_tree, v_tree, p, sm_scale=None, finite=False):
     """q [B, T, Hq, Dh]; k_cache, v_cache [NB, BS, Hkv, Dh] (one layer); k_tree, v_tree [B, T, Hkv, Dh]; p: the
     step's `Keys`. -> out [B, T, Hq, Dh] in q's dtype: softmax(q K^T * scale + bias) V in p.bias's dtype, as one
@@ -222,7 +229,7 @@ def plain_attention(q, k_cache, v_cache, k_tree, v_tree, p, sm_scale=None, finit
     Hkv, acc = k_cache.shape[2], p.bias.dtype
 
     def keys(cache, tree):                                                        # -> [B, Hkv, m + T, Dh]
-        x = torch.cat([cache.index_select(0, p.blocks).view(B, -1, Hkv, Dh), tree], 1)
+        x = paged_keys(cache, tree, p.blocks, B)
         return (x if finite else x.masked_fill(~p.keep, 0)).to(acc).transpose(1, 2)
     out = F.scaled_dot_product_attention(q.to(acc).transpose(1, 2), keys(k_cache, k_tree), keys(v_cache, v_tree),
                                          attn_mask=p.bias, scale=sm_scale, enable_gqa=True)   # [B, Hq, T, Dh]
