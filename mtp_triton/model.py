@@ -75,13 +75,14 @@ def rope_tables(positions, inv_freq):
     freqs = positions.float()[..., None] * inv_freq.float()                 # [..., Dh/2]
     emb = torch.cat((freqs, freqs), -1)                                     # as HF: cos and sin of the [..., Dh] row
     sin = emb.sin()
-    return emb.cos(), torch.cat((-sin[..., :freqs.shape[-1]], sin[..., freqs.shape[-1]:]), -1)
+    sin[..., :freqs.shape[-1]].neg_()
+    return emb.cos(), sin
 
 
 def apply_rope(x, cos, sin):
     """x [..., Dh] -> x cos + rotate_half(x) sin_hf, transformers' RoPE to the bit, with rotate_half(x) = [-x2; x1]
     and sin_hf = [sin a; sin a]: here roll(x, Dh/2) = [x2; x1] times `rope_tables`' signed sin, and (-u) v rounds
-    as u (-v). Four element-wise calls, for q and k together where they come from one matmul."""
+    as u (-v). Four element-wise calls, for a layer's q, k and v heads together (`LlamaEngine.rope`)."""
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
@@ -127,7 +128,7 @@ def layer(x, cos, sin, blk, packed, k_cache, v_cache, attend, a=None):
     runs this same function through `torch.compile` (mtp_triton/compiled.py), and the twins run a plain step on packed
     weights through the same calls from TorchScript (`scripted.layer`, bit for bit the same).
 
-    cos, sin [B, T, 1, Dh]; blk: the layer's Block (norms; its nn.Linear layers when packed is None); packed: its
+    cos, sin [B, T, Hq + 2 Hkv, Dh] (`LlamaEngine.rope`); blk: the layer's Block (norms; its nn.Linear layers when packed is None); packed: its
     (qkv, o, gate_up, down) packed linears, or None; k_cache, v_cache [NB, BS, Hkv, Dh]: this layer's cache.
     attend: how the layer attends, laid out once per step by `forward_tree` for all layers: a `Keys` (the plain twin,
     `plain_attention`), a `Plan` (the exact twin, `attention`, with linear layers and norms through `invariant`, whose
@@ -149,10 +150,10 @@ def layer(x, cos, sin, blk, packed, k_cache, v_cache, attend, a=None):
     else:
         qkv = torch.cat([lin(blk.q_proj, h), lin(blk.k_proj, h), lin(blk.v_proj, h)], -1)
     qkv = qkv.reshape(B, T, Hq + 2 * Hkv, Dh)
-    qk, v = qkv.split([Hq + Hkv, Hkv], 2)                                  # [B, T, Hq + Hkv, Dh], [B, T, Hkv, Dh]
     if hasattr(blk, "q_norm"):                                             # Qwen3: per head, over Dh
-        qk = torch.cat([norm(blk.q_norm, qk[:, :, :Hq]), norm(blk.k_norm, qk[:, :, Hq:])], 2)
-    q, k = apply_rope(qk, cos, sin).split([Hq, Hkv], 2)
+        qkv = torch.cat([norm(blk.q_norm, qkv[:, :, :Hq]), norm(blk.k_norm, qkv[:, :, Hq:Hq + Hkv]),
+                         qkv[:, :, Hq + Hkv:]], 2)
+    q, k, v = apply_rope(qkv, cos, sin).split([Hq, Hkv, Hkv], 2)          # v's heads turn by angle 0 (`rope`)
     if isinstance(attend, Keys):                                           # the engine's caches: finite
         o = plain_attention(q, k_cache, v_cache, k, v, attend, finite=True)
     elif isinstance(attend, Plan):
@@ -228,8 +229,17 @@ class LlamaEngine(nn.Module):
         return PagedKVCache(self.config, capacities, block_size, self.dtype, self.device)
 
     def rope(self, positions):
-        """positions [B, T] -> cos, sin [B, T, 1, Dh] in the model dtype (`rope_tables`: fp32 like HF, signed sin)."""
-        return [t.to(self.dtype)[:, :, None, :] for t in rope_tables(positions, self.inv_freq)]
+        """positions [B, T] -> cos, sin [B, T, Hq + 2 Hkv, Dh] in the model dtype, a layer's whole q, k, v row: for
+        the q and k heads `rope_tables` (fp32 like HF, signed sin), for the v heads cos 1 and sin 0, so that one
+        `apply_rope` over the row (then one split) leaves v as it is: v 1 + roll(v) 0 = v for finite v (a zero's
+        sign aside), and q, k turn as they would alone."""
+        cfg = self.config
+        B, T = positions.shape
+        Hqk, Hkv = cfg.num_attention_heads + cfg.num_key_value_heads, cfg.num_key_value_heads
+        cos, sin = rope_tables(positions[:, :, None], self.inv_freq)                  # [B, T, 1, Dh] fp32
+        v_heads = (B, T, Hkv, cos.shape[-1])                                           # angle 0
+        return [torch.cat([t.expand(B, T, Hqk, -1), fill(v_heads)], 2).to(self.dtype)
+                for t, fill in ((cos, cos.new_ones), (sin, sin.new_zeros))]
 
     def exact_mode(self, ops):
         """Does this model decode batch-invariantly with `ops` (mtp_triton/invariant.py)? `ops.numerics` decides."""

@@ -9,13 +9,15 @@ code: every call is one the eager layer makes.
 Same bits. `_layer` calls the same ATen kernels, in the same order and on the same operands, as `model.layer` for a
 plain step (not the exact mode) on packed weights (packed.py) whose attention is the twins' `Keys` plan, and shares
 its pieces (`model.rms_norm`, `model.apply_rope`, `tree_attention_ref.paged_keys`):
-    h = RMSNorm(x) (or a);  q, k, v = split(h Wqkv);  [Qwen3: RMSNorm over Dh of q and k];  q, k = RoPE(q), RoPE(k)
+    h = RMSNorm(x) (or a);  y = h Wqkv;  [Qwen3: RMSNorm over Dh of q and k];  q, k, v = split(RoPE(y)) (v: angle 0)
     o = SDPA(q, [cache blocks; k], [cache blocks; v], bias);  x = x + o Wo
     h = RMSNorm(x);  g, u = split(h Wgu);  x = x + (silu(g) * u) Wd
-so each output has the eager layer's bits (tests/test_scripted.py compares them bit for bit, and greedy tokens), and
-the op count per step is the same (one overload differs: the norms' eps reaches the dispatcher as add.Scalar, not
-add.Tensor). TorchScript's CPU fuser is off by default, and no pass here rewrites a call's arithmetic. Every norm of a
-`Block` is built with the config's one rms_norm_eps, so the layer takes one eps.
+with one exception: in fp32 the two residual adds ride on the o and down matmuls (`_linear_add`, oneDNN's fused
+add), two calls fewer per layer and the same sums. So each output has the eager layer's bits (tests/test_scripted.py
+compares them bit for bit, and greedy tokens). The op count differs from the eager layer's only there (and in one
+overload: the norms' eps reaches the dispatcher as add.Scalar, not add.Tensor). TorchScript's CPU fuser is off by
+default, and no pass here rewrites a call's arithmetic. Every norm of a `Block` is built with the config's one
+rms_norm_eps, so the layer takes one eps.
 
 Where it runs: the twins' ops ("torch", "compiled") carry `layer` as `plain_layer`, and `LlamaEngine.forward_tree`
 runs it for a step that is not exact, on packed weights (`packed_layers`: fp32 and, on CPUs that multiply bf16
@@ -41,33 +43,42 @@ def _linear(x: torch.Tensor, packed: torch.Tensor, b: Optional[torch.Tensor]) ->
                                               torch.jit.annotate(List[Optional[number]], []), "")  # noqa: F821
 
 
+def _linear_add(x: torch.Tensor, h: torch.Tensor, packed: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
+    """x + _linear(h, packed, b): a residual add. fp32: one oneDNN call with the add fused after the matmul; each
+    output is the fp32 sum of the same two fp32 values, rounded once, as by the separate add. bf16: a separate add
+    (fused, oneDNN would add to the fp32 accumulator before rounding, where the eager layer rounds the matmul first)."""
+    if x.dtype == torch.float32:
+        return torch.ops.mkldnn._linear_pointwise(h, x, packed, b, "add")        # the .binary overload
+    return x + _linear(h, packed, b)
+
+
 def _layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ln1: torch.Tensor, ln2: torch.Tensor, eps: float,
            qkv: torch.Tensor, qkv_b: Optional[torch.Tensor], o: torch.Tensor, o_b: Optional[torch.Tensor],
            gu: torch.Tensor, gu_b: Optional[torch.Tensor], dn: torch.Tensor, dn_b: Optional[torch.Tensor],
            q_norm: Optional[torch.Tensor], k_norm: Optional[torch.Tensor], k_cache: torch.Tensor,
            v_cache: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor, Hq: int, a: Optional[torch.Tensor]):
     """model.layer for a plain packed step attending through a `Keys` plan (blocks, bias). x [B, T, D];
-    cos, sin [B, T, 1, Dh]; ln1, ln2 the norms' weights; qkv .. dn the packed weights [(Hq + 2 Hkv) Dh | D | 2F | D]
+    cos, sin [B, T, Hq + 2 Hkv, Dh]; ln1, ln2 the norms' weights; qkv .. dn the packed weights [(Hq + 2 Hkv) Dh | D | 2F | D]
     and their biases; q_norm, k_norm: Qwen3's per-head norms or None; k_cache, v_cache [NB, BS, Hkv, Dh];
     a [B, T, D_a] or None (what q, k, v are projected from). -> (x [B, T, D], k, v [B, T, Hkv, Dh])"""
     B, T = x.shape[0], x.shape[1]
     Hkv, Dh = k_cache.shape[2], k_cache.shape[3]
     h = rms_norm(x, ln1, eps) if a is None else a
     y = _linear(h, qkv, qkv_b).reshape(B, T, Hq + 2 * Hkv, Dh)
-    qk, v = y.split([Hq + Hkv, Hkv], 2)
     if q_norm is not None and k_norm is not None:
-        qk = torch.cat([rms_norm(qk[:, :, :Hq], q_norm, eps), rms_norm(qk[:, :, Hq:], k_norm, eps)], 2)
-    q, k = apply_rope(qk, cos, sin).split([Hq, Hkv], 2)
+        y = torch.cat([rms_norm(y[:, :, :Hq], q_norm, eps), rms_norm(y[:, :, Hq:Hq + Hkv], k_norm, eps),
+                       y[:, :, Hq + Hkv:]], 2)
+    q, k, v = apply_rope(y, cos, sin).split([Hq, Hkv, Hkv], 2)
     acc = bias.dtype                                        # plain_attention(finite=True): no masked_fill
     att = F.scaled_dot_product_attention(q.to(acc).transpose(1, 2),
                                          paged_keys(k_cache, k, blocks, B).to(acc).transpose(1, 2),
                                          paged_keys(v_cache, v, blocks, B).to(acc).transpose(1, 2),
                                          attn_mask=bias, enable_gqa=True)
     att = att.transpose(1, 2).to(q.dtype)
-    x = x + _linear(att.reshape(B, T, Hq * Dh), o, o_b)
+    x = _linear_add(x, att.reshape(B, T, Hq * Dh), o, o_b)
     h = rms_norm(x, ln2, eps)
     g, u = _linear(h, gu, gu_b).chunk(2, -1)
-    return x + _linear(F.silu(g) * u, dn, dn_b), k, v
+    return _linear_add(x, F.silu(g) * u, dn, dn_b), k, v
 
 
 @functools.cache

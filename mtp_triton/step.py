@@ -73,7 +73,7 @@ def draft(drafter, rows, inputs, pruner=None):
 def verify(model, cache, rows, tokens, tree, ops, check_values=True, graphs=None, taps=()):
     """One forward of all nodes. -> hidden [A, T, D], k_tree, v_tree [L, A, T, Hkv, Dh], logits [A, T, V], and with
     taps (layer ids, `LlamaEngine.forward_tree`) the residual streams entering them, feats [A, T, len(taps) D]"""
-    positions = cache.cache_lens[rows].long()[:, None] + tree.depth[None, :]       # [A, T]
+    positions = cache.cache_lens[rows].long()[:, None] + tree.depth                # [A, T]
     if graphs is not None:                                  # replay a captured CUDA graph of this tree size
         return graphs.run(model, cache, rows, tokens, positions, tree, ops)
     hidden, k_tree, v_tree, *feats = model.forward_tree(tokens, positions, tree.mask, cache, rows, ops, check_values,
@@ -91,6 +91,8 @@ def accept(logits, tokens, parents, sampler, ops, check_values=True):
     """
     if sampler.greedy:
         target = logits.float().argmax(-1)                                          # [A, T]
+        if tokens.shape[1] == 1:                         # a serial step: the root alone, the bonus is its argmax
+            return target.new_zeros(target.shape[0]), target.new_zeros(target.shape), target[:, 0]
         return ops.tree_accept(tokens, parents, target, check_values=check_values)
     probs = sampler.probs(logits).contiguous()                                      # [A, T, V]
     A, T = tokens.shape
@@ -107,7 +109,7 @@ def append(cache, rows, k_tree, v_tree, accept_nodes, accept_len, ops, check_val
     grow = accept_len + 1
     if frozen is not None:
         grow = grow.masked_fill(frozen, 0)
-    cache.cache_lens[rows] += grow.to(torch.int32)
+    cache.cache_lens.index_add_(0, rows, grow.to(torch.int32))                     # rows are distinct
 
 
 def mtp_step(model, cache, rows, inputs, drafter, sampler, ops, plan=None):
@@ -138,7 +140,10 @@ def mtp_step(model, cache, rows, inputs, drafter, sampler, ops, plan=None):
     t0 = clock()
     append(cache, rows, k_tree, v_tree, accept_nodes, accept_len, ops, plan.check_values, inputs.frozen)
     drafter.observe(rows, feats[0] if feats else h_tree, tokens, accept_nodes, accept_len, bonus)
-    last = accept_nodes.gather(1, accept_len[:, None])[:, 0]                        # deepest accepted node [A]
-    h_last = h_tree[torch.arange(len(last), device=last.device), last]              # [A, D]
+    if tokens.shape[1] == 1:                                                       # a serial step
+        h_last = h_tree[:, 0]                                                       # [A, D]
+    else:
+        last = accept_nodes.gather(1, accept_len[:, None])[:, 0]                    # deepest accepted node [A]
+        h_last = h_tree[torch.arange(len(last), device=last.device), last]          # [A, D]
     stop("append", t0)
     return Step(tokens, accept_len, accept_nodes, bonus, h_last)

@@ -109,15 +109,16 @@ def kv_append(k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, accept_
     """
     check_kv_append_inputs(k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, accept_nodes, accept_len,
                            values=check_values)
-    BS = k_cache.shape[2]
-    B = k_tree.shape[1]
-    NB = k_cache.shape[1]
-    for b in range(B):
-        n = int(accept_len[b]) + 1
-        pos = int(cache_lens[b]) + torch.arange(n, device=k_cache.device)
-        blocks = block_table[b].long()[pos // BS]        # past the table's width: IndexError
-        blocks = torch.where(blocks < 0, NB, blocks)     # -1 must not wrap to the last block: IndexError
-        slots = pos % BS
-        nodes = accept_nodes[b, :n]
-        k_cache[:, blocks, slots] = k_tree[:, b, nodes]
-        v_cache[:, blocks, slots] = v_tree[:, b, nodes]
+    NB, BS = k_cache.shape[1:3]
+    B, T = accept_nodes.shape
+    dev = k_cache.device
+    # entry j of row b: path entry min(j, accept_len[b]), so entries past the path repeat its last write (same
+    # value, same slot) and no host read is needed to know how many there are
+    j = torch.minimum(torch.arange(T, device=dev), accept_len[:, None])          # [B, T]
+    pos = cache_lens.long()[:, None] + j                                           # [B, T] positions written
+    seq = torch.arange(B, device=dev)[:, None]                                     # [B, 1]
+    blocks = block_table.long()[seq, pos // BS]                  # past the table's width: IndexError
+    blocks = blocks.masked_fill(blocks < 0, NB)                  # -1 must not wrap to the last block: IndexError
+    slots, nodes = pos % BS, accept_nodes.gather(1, j)
+    k_cache[:, blocks, slots] = k_tree[:, seq, nodes]
+    v_cache[:, blocks, slots] = v_tree[:, seq, nodes]

@@ -178,9 +178,14 @@ def tree_attention(q, k_cache, v_cache, block_table, cache_lens, k_tree, v_tree,
 class Keys:
     """A plain step's keys, laid out once per step and read by every layer: each sequence's cache blocks (as many as
     the longest cache needs: m = that many blocks x BS positions) through its block table, then its T tree nodes."""
-    blocks: torch.Tensor    # [B * nblk] int64 block id of each sequence's first nblk block-table entries
+    blocks: torch.Tensor    # [B * nblk] block id of each sequence's first nblk block-table entries (the table's dtype)
     bias: torch.Tensor      # [B, 1, T, m + T] (fp32, fp64 for fp64 inputs): 0 where node i sees key j, else -inf
-    keep: torch.Tensor      # [B, m + T, 1, 1] bool: keys some node sees (the others may hold anything, NaN too)
+    visible: torch.Tensor   # [B, T, m + T] bool: node i sees key j
+
+    @property
+    def keep(self):
+        """[B, m + T, 1, 1] bool: keys some node sees (the others may hold anything, NaN too)."""
+        return self.visible.any(1)[:, :, None, None]
 
 
 def plain_plan(block_table, cache_lens, tree_mask, num_blocks, block_size, window=None, dtype=torch.float32):
@@ -191,26 +196,27 @@ def plain_plan(block_table, cache_lens, tree_mask, num_blocks, block_size, windo
     dev, BS = cache_lens.device, block_size
     B, T = cache_lens.shape[0], tree_mask.shape[-1]
     mask = tree_mask.expand(B, T, T)
-    lens = cache_lens.long()
+    lens = cache_lens[:, None]                                                    # [B, 1]
     nblk = (int(lens.max()) + BS - 1) // BS
     if nblk > block_table.shape[1]:
         raise IndexError(f"tree_attention: cache_lens needs {nblk} block-table columns, the table has "
                          f"{block_table.shape[1]}")
-    blocks = block_table[:, :nblk].long()                                         # [B, nblk]
-    in_use = torch.arange(nblk, device=dev)[None, :] < (lens[:, None] + BS - 1) // BS
-    blocks = torch.where(in_use, blocks, 0)            # entries past a sequence's blocks (-1): masked below
-    blocks = torch.where(blocks < 0, num_blocks, blocks)
     j = torch.arange(nblk * BS, device=dev)                                       # [m] positions gathered
-    sees_cache = (j[None, :] < lens[:, None])[:, None, :].expand(B, T, -1)        # [B, T, m]
+    sees_cache = j < lens                                                         # [B, m]
+    blocks = block_table[:, :nblk]                                                # [B, nblk]
+    # block c is in use iff its first position c BS is in the cache; one past the table's entries (-1) is block 0
+    blocks = blocks.masked_fill(blocks < 0, num_blocks) * sees_cache[:, ::BS]
+    sees_cache = sees_cache[:, None, :].expand(B, T, -1)                          # [B, T, m]
     sees_tree = mask                                                              # [B, T, T]
     if window is not None:
         depth = mask.sum(-1) - 1                                                  # [B, T]
-        pos = lens[:, None] + depth                                               # [B, T] p_i
+        pos = lens + depth                                                        # [B, T] p_i
         sees_cache = sees_cache & (pos[:, :, None] - j[None, None, :] < window)
         sees_tree = sees_tree & (depth[:, :, None] - depth[:, None, :] < window)  # p_i - p_a = depth_i - depth_a
     visible = torch.cat([sees_cache, sees_tree], dim=2)                           # [B, T, m + T]
-    bias = torch.zeros(visible[:, None].shape, dtype=dtype, device=dev).masked_fill_(~visible[:, None], float("-inf"))
-    return Keys(blocks.reshape(-1), bias, visible.any(1)[:, :, None, None])
+    bias = torch.full((B, 1, T, visible.shape[2]), float("-inf"), dtype=dtype, device=dev)
+    bias.masked_fill_(visible[:, None], 0)
+    return Keys(blocks.reshape(-1), bias, visible)
 
 
 def paged_keys(cache, tree, blocks, B: int):
