@@ -26,7 +26,8 @@ Verification and acceptance do not change: the drafts are only proposals, so gre
 and sampling keeps the target's distribution whatever the module proposes. Its drafts need not be exact, so the
 module runs the engine's plain (not batch-invariant) step, in bf16 on a CPU that multiplies bf16 natively.
 The scores go through the drafting kernel family with the ResBlock switched off (`fused_draft(x, None, None, ..)`:
-logits = L x, top-k, log-softmax); the bf16 CPU path multiplies by the prepacked rows of L and takes a plain top-k.
+logits = L x, top-k, log-softmax); with the PyTorch twins on a CPU it multiplies by the prepacked rows of L and
+takes a plain top-k.
 """
 import copy
 
@@ -35,6 +36,7 @@ import torch
 from .drafters import Drafter
 from .eagle3 import default_taps
 from .model import PagedKVCache
+from .ops import cpu_twins
 from .packed import packed_linear
 from .tree import DrawnTrees, Tree
 
@@ -69,7 +71,9 @@ class ModuleDrafter(Drafter):
         self.engine = self.module.engine(model)
         self.embed = model.embed_tokens.weight.detach()
         lm = self.module.lm_rows(model.lm_head.weight.detach()).to(self.dtype).contiguous()   # [V', D]
-        self.lm = (packed_linear(lm) or lm) if self.bf16 else lm
+        # the PyTorch twins on a CPU score with L prepacked (packed.py; either dtype): a few rows of a large draft
+        # vocabulary in one oneDNN call, a third of the plain fp32 matmul's time; elsewhere the ops' fused_draft
+        self.lm = (packed_linear(lm) if cpu_twins(ops, dev) else None) or lm
         self.token_map = None if module.token_map is None else module.token_map.to(dev)
         self.top_k = min(self.top_k, lm.shape[0])           # never more candidates than the draft vocabulary has
         self.ops = ops                                      # its inputs are built here: no value checks per step
@@ -158,7 +162,8 @@ class ModuleDrafter(Drafter):
 
     def _score(self, x, k):
         """x [n, D] -> (token ids [n, k], log-probabilities over the draft vocabulary [n, k]): L x, top-k."""
-        if self.bf16:       # L x in bf16 (prepacked); plain top-k: a draft needs no tie rule, only speed
+        if self.bf16 or callable(self.lm):  # L x in the draft dtype (prepacked on a CPU); plain top-k: a draft needs
+            #                                     no tie rule, only speed
             logits = (self.lm(x.to(self.dtype)) if callable(self.lm) else x.to(self.dtype) @ self.lm.T).float()
             top, rows = logits.topk(k, dim=-1)                                      # [n, k]
             logp = top - torch.logsumexp(logits, -1, keepdim=True)

@@ -139,6 +139,23 @@ def test_dynamic_tree_is_a_subtree_within_budget(model):
 
 
 @torch.no_grad()
+def test_cpu_scores_through_the_packed_rows_match_the_drafting_twin(model):
+    """With the twins on a CPU the module scores L x on L prepacked (packed.py), in fp32 too; the token ids and log
+    probabilities are those of the drafting kernel family's twin (`fused_draft` with the ResBlock off) on the same
+    rows, up to the matmul's last bits (no ties in random scores)."""
+    ops = mt.ops.get_ops("torch")
+    m32 = mt.LlamaEngine.from_hf(make_hf("gqa-hd16-v203-untied-L2"), dtype=torch.float32)
+    d = ModuleDrafter(random_module(m32), m32, ops)
+    if not callable(d.lm):
+        pytest.skip("this machine does not pack fp32 weights (packing_applies is False)")
+    x = torch.randn(5, m32.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    ids, logp = d._score(x, 4)
+    want_ids, want_logp = ops.fused_draft(x, None, None, d.lm.w, 4, check_values=False)
+    assert torch.equal(ids, want_ids[:, 0])
+    torch.testing.assert_close(logp, want_logp[:, 0], rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
 def test_serial_steps_commit_later_as_one_chain(model):
     """Steps at depth 0 (fallback) draft nothing and commit nothing; the next drafting step commits their
     pairs joined per sequence into one chain, which leaves the module's cache and output as committing step by step
