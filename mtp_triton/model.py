@@ -126,10 +126,11 @@ def layer(x, cos, sin, blk, packed, k_cache, v_cache, attend, a=None):
     """One decoder layer over T nodes per sequence: x [B, T, D] -> (x [B, T, D], k, v [B, T, Hkv, Dh]: the nodes' K/V,
     which `forward_tree` stacks into the step's tree buffers). The body of `forward_tree`; the "compiled" kind of ops
     runs this same function through `torch.compile` (mtp_triton/compiled.py), and the twins run a plain step on packed
-    weights through the same calls from TorchScript (`scripted.layer`, bit for bit the same).
+    weights from TorchScript (`scripted.layer`: the same calls, bar fp32's fused residual adds; bit for bit the same).
 
-    cos, sin [B, T, Hq + 2 Hkv, Dh] (`LlamaEngine.rope`); blk: the layer's Block (norms; its nn.Linear layers when packed is None); packed: its
-    (qkv, o, gate_up, down) packed linears, or None; k_cache, v_cache [NB, BS, Hkv, Dh]: this layer's cache.
+    cos, sin [B, T, Hq + 2 Hkv, Dh] (`LlamaEngine.rope`); blk: the layer's Block (norms; its nn.Linear layers when
+    packed is None); packed: its (qkv, o, gate_up, down) packed linears, or None; k_cache, v_cache [NB, BS, Hkv, Dh]:
+    this layer's cache.
     attend: how the layer attends, laid out once per step by `forward_tree` for all layers: a `Keys` (the plain twin,
     `plain_attention`), a `Plan` (the exact twin, `attention`, with linear layers and norms through `invariant`, whose
     rows round alike in every call) or a `Paged` (the ops' `tree_attention`: the Triton kernels).
@@ -232,7 +233,8 @@ class LlamaEngine(nn.Module):
         """positions [B, T] -> cos, sin [B, T, Hq + 2 Hkv, Dh] in the model dtype, a layer's whole q, k, v row: for
         the q and k heads `rope_tables` (fp32 like HF, signed sin), for the v heads cos 1 and sin 0, so that one
         `apply_rope` over the row (then one split) leaves v as it is: v 1 + roll(v) 0 = v for finite v (a zero's
-        sign aside), and q, k turn as they would alone."""
+        sign aside), and q, k turn as they would alone. The tables are that wide, not broadcast over the heads: a
+        long prefill holds two of them, each the size of its q, k, v rows."""
         cfg = self.config
         B, T = positions.shape
         Hqk, Hkv = cfg.num_attention_heads + cfg.num_key_value_heads, cfg.num_key_value_heads

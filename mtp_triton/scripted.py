@@ -8,7 +8,7 @@ code: every call is one the eager layer makes.
 
 Same bits. `_layer` calls the same ATen kernels, in the same order and on the same operands, as `model.layer` for a
 plain step (not the exact mode) on packed weights (packed.py) whose attention is the twins' `Keys` plan, and shares
-its pieces (`model.rms_norm`, `model.apply_rope`, `tree_attention_ref.paged_keys`):
+its pieces (`model.rms_norm`, `model.apply_rope`, `tree_attention_ref.paged_sdpa`):
     h = RMSNorm(x) (or a);  y = h Wqkv;  [Qwen3: RMSNorm over Dh of q and k];  q, k, v = split(RoPE(y)) (v: angle 0)
     o = SDPA(q, [cache blocks; k], [cache blocks; v], bias);  x = x + o Wo
     h = RMSNorm(x);  g, u = split(h Wgu);  x = x + (silu(g) * u) Wd
@@ -33,7 +33,7 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
-from .kernels.tree_attention_ref import paged_keys
+from .kernels.tree_attention_ref import paged_sdpa
 from .model import apply_rope, layer as python_layer, rms_norm
 
 
@@ -58,9 +58,10 @@ def _layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ln1: torch.Ten
            q_norm: Optional[torch.Tensor], k_norm: Optional[torch.Tensor], k_cache: torch.Tensor,
            v_cache: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor, Hq: int, a: Optional[torch.Tensor]):
     """model.layer for a plain packed step attending through a `Keys` plan (blocks, bias). x [B, T, D];
-    cos, sin [B, T, Hq + 2 Hkv, Dh]; ln1, ln2 the norms' weights; qkv .. dn the packed weights [(Hq + 2 Hkv) Dh | D | 2F | D]
-    and their biases; q_norm, k_norm: Qwen3's per-head norms or None; k_cache, v_cache [NB, BS, Hkv, Dh];
-    a [B, T, D_a] or None (what q, k, v are projected from). -> (x [B, T, D], k, v [B, T, Hkv, Dh])"""
+    cos, sin [B, T, Hq + 2 Hkv, Dh]; ln1, ln2 the norms' weights; qkv .. dn the packed weights
+    [(Hq + 2 Hkv) Dh | D | 2F | D] and their biases; q_norm, k_norm: Qwen3's per-head norms or None; k_cache,
+    v_cache [NB, BS, Hkv, Dh]; a [B, T, D_a] or None (what q, k, v are projected from).
+    -> (x [B, T, D], k, v [B, T, Hkv, Dh])"""
     B, T = x.shape[0], x.shape[1]
     Hkv, Dh = k_cache.shape[2], k_cache.shape[3]
     h = rms_norm(x, ln1, eps) if a is None else a
@@ -69,12 +70,7 @@ def _layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ln1: torch.Ten
         y = torch.cat([rms_norm(y[:, :, :Hq], q_norm, eps), rms_norm(y[:, :, Hq:Hq + Hkv], k_norm, eps),
                        y[:, :, Hq + Hkv:]], 2)
     q, k, v = apply_rope(y, cos, sin).split([Hq, Hkv, Hkv], 2)
-    acc = bias.dtype                                        # plain_attention(finite=True): no masked_fill
-    att = F.scaled_dot_product_attention(q.to(acc).transpose(1, 2),
-                                         paged_keys(k_cache, k, blocks, B).to(acc).transpose(1, 2),
-                                         paged_keys(v_cache, v, blocks, B).to(acc).transpose(1, 2),
-                                         attn_mask=bias, enable_gqa=True)
-    att = att.transpose(1, 2).to(q.dtype)
+    att = paged_sdpa(q, k_cache, v_cache, k, v, blocks, bias)      # plain_attention(finite=True): nothing zeroed
     x = _linear_add(x, att.reshape(B, T, Hq * Dh), o, o_b)
     h = rms_norm(x, ln2, eps)
     g, u = _linear(h, gu, gu_b).chunk(2, -1)

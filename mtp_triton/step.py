@@ -141,7 +141,7 @@ def mtp_step(model, cache, rows, inputs, drafter, sampler, ops, plan=None):
     append(cache, rows, k_tree, v_tree, accept_nodes, accept_len, ops, plan.check_values, inputs.frozen)
     drafter.observe(rows, feats[0] if feats else h_tree, tokens, accept_nodes, accept_len, bonus)
     if tokens.shape[1] == 1:                                                       # a serial step
-        h_last = h_tree[:, 0]                                                       # [A, D]
+        h_last = h_tree[:, 0].clone()           # [A, D], a copy (graphs: h_tree is the graph's output buffer)
     else:
         last = accept_nodes.gather(1, accept_len[:, None])[:, 0]                    # deepest accepted node [A]
         h_last = h_tree[torch.arange(len(last), device=last.device), last]          # [A, D]

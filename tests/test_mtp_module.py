@@ -10,6 +10,7 @@ import mtp_triton as mt
 from mtp_triton.drafters_mtp import ModuleDrafter
 from mtp_triton.generate import causal_chains
 from mtp_triton.mtp_module import MTPModule, load_module
+from mtp_triton.packed import packing_applies
 from hf_models import make_hf
 
 PROMPTS = [[5, 17, 33, 42, 90, 1], [7, 8, 9], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
@@ -139,18 +140,21 @@ def test_dynamic_tree_is_a_subtree_within_budget(model):
 
 
 @torch.no_grad()
-def test_cpu_scores_through_the_packed_rows_match_the_drafting_twin(model):
-    """With the twins on a CPU the module scores L x on L prepacked (packed.py), in fp32 too; the token ids and log
+@pytest.mark.parametrize("mapped", [False, True], ids=["full-vocab", "draft-vocab"])
+def test_cpu_scores_through_the_packed_rows_match_the_drafting_twin(mapped):
+    """With the twins on a CPU an fp32 module scores L x on L prepacked (packed.py); the token ids and log
     probabilities are those of the drafting kernel family's twin (`fused_draft` with the ResBlock off) on the same
-    rows, up to the matmul's last bits (no ties in random scores)."""
+    rows, up to the matmul's last bits (no ties in random scores), with and without a draft vocabulary."""
     ops = mt.ops.get_ops("torch")
     m32 = mt.LlamaEngine.from_hf(make_hf("gqa-hd16-v203-untied-L2"), dtype=torch.float32)
-    d = ModuleDrafter(random_module(m32), m32, ops)
-    if not callable(d.lm):
-        pytest.skip("this machine does not pack fp32 weights (packing_applies is False)")
+    if not packing_applies(torch.float32) or ops.numerics(m32.device, m32.dtype).draft_bf16:
+        pytest.skip("this CPU does not pack fp32 weights, or drafts an fp32 model in bf16")
+    token_map = torch.arange(0, m32.config.vocab_size, 3) if mapped else None
+    d = ModuleDrafter(random_module(m32, token_map=token_map), m32, ops)
+    assert callable(d.lm)                                                   # the packed rows
     x = torch.randn(5, m32.config.hidden_size, generator=torch.Generator().manual_seed(0))
     ids, logp = d._score(x, 4)
-    want_ids, want_logp = ops.fused_draft(x, None, None, d.lm.w, 4, check_values=False)
+    want_ids, want_logp = ops.fused_draft(x, None, None, d.lm.w, 4, token_map=token_map, check_values=False)
     assert torch.equal(ids, want_ids[:, 0])
     torch.testing.assert_close(logp, want_logp[:, 0], rtol=1e-5, atol=1e-5)
 

@@ -2,8 +2,8 @@
 SmolLM2's switches (GQA, tied embeddings, no bias) and 30 layers, so the per-step work outside the layers is spread
 as it is on SmolLM2. The serial bound is the goal, 40; the others are what the step does today (`python -m
 mtp_lab.bench.opcount` counts the real model, with every drafter: the MTP module's step is over the goal of 60, the
-bench's rows say by how much); a change that adds per-layer work fails here. The Triton path is counted too (its launches as ops), in Triton's interpreter
-where there is no GPU."""
+bench's rows say by how much); a change that adds per-layer work fails here. The Triton path is counted too (its
+launches as ops), in Triton's interpreter where there is no GPU."""
 import pytest
 import torch
 

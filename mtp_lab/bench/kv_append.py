@@ -6,7 +6,7 @@ Providers (all write the same elements; see tests/test_kv_append.py):
     torch-per-layer   index math once, then per layer `k_cache[l][blk, slot] = k_tree[l][b, node]` for K and V:
                       the loop an engine writes without a kernel (~4 kernels per layer)
     torch-vectorized  the same with one advanced-indexing assignment over all layers (2 gathers + 2 scatters)
-    torch-reference   mtp_triton.reference.kv_append (per-sequence loop; the correctness twin, not a fast path)
+    torch-reference   mtp_triton.reference.kv_append (the correctness twin, vectorised over the batch and layers)
 
 Bytes moved per call: 2 (K and V) x L x sum_b(accept_len[b] + 1) x Hkv x Dh x elt, read once and written once;
 gbps = 2 x that / time. The ceiling column is this device's measured copy bandwidth (common.copy_bandwidth).

@@ -7,7 +7,7 @@ Phases per step (from generate()'s own timers; CUDA events on a GPU, perf_counte
     draft              fused_draft over all heads (or the synthetic oracle's propose(), host Python)
     verify-attention   the L tree_attention calls of the verify forward (timed inside it, see below)
     verify-other       the rest of the verify forward: Q/K/V/O and MLP GEMMs, norms, RoPE, embedding, LM head
-    accept             argmax over the logits + tree_accept
+    accept             argmax over the logits + tree_accept (a serial step: the argmax alone)
     append             kv_append + the cache-length / root bookkeeping
     python-overhead    decode wall time − the phases above: the host work between phases (emit loop, the one
                        host sync per step, tree pruning); on a GPU also the time the GPU waits for the host
@@ -15,7 +15,7 @@ Phases per step (from generate()'s own timers; CUDA events on a GPU, perf_counte
 The attention split wraps `tree_attention` of the ops that generate() asks for (`timed_attention`), so the
 decoder itself is unchanged; the first L calls of each generate() are the prefill and are not counted. On a CPU the
 plain packed step runs its layers from TorchScript (mtp_triton/scripted.py), where no Python wrapper can time the
-attention: `phase_rows` runs the Python layer instead (the same calls and results, a few ms slower per step).
+attention: `phase_rows` runs the Python layer instead (the same results, a few ms slower per step).
 On a GPU, `kernel_rows` adds a torch.profiler table: per-kernel GPU time of N decode steps (a run of N tokens
 minus a run of 1 token, so prefill cancels), grouped into attention / GEMM / draft / accept / append / other.
 """

@@ -105,7 +105,8 @@ def kv_append(k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, accept_
     check_values=False trusts the values: an entry in use that is not a block id in [0, NB) (-1 = no
     block) or a column past the table's width raises IndexError here (on CPU; a device-side assert on
     CUDA) where the Triton kernel drops the token; an entry naming another sequence's block is written
-    there, overwriting its K/V, as by the kernel. check_values=True refuses both with a ValueError.
+    there, overwriting its K/V, as by the kernel. check_values=True refuses both with a ValueError. An accept_len
+    outside [0, T) is refused too; unchecked, what happens is unspecified.
     """
     check_kv_append_inputs(k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, accept_nodes, accept_len,
                            values=check_values)
@@ -115,9 +116,9 @@ def kv_append(k_cache, v_cache, block_table, cache_lens, k_tree, v_tree, accept_
     # entry j of row b: path entry min(j, accept_len[b]), so entries past the path repeat its last write (same
     # value, same slot) and no host read is needed to know how many there are
     j = torch.minimum(torch.arange(T, device=dev), accept_len[:, None])          # [B, T]
-    pos = cache_lens.long()[:, None] + j                                           # [B, T] positions written
+    pos = cache_lens[:, None] + j                                                  # [B, T] positions written
     seq = torch.arange(B, device=dev)[:, None]                                     # [B, 1]
-    blocks = block_table.long()[seq, pos // BS]                  # past the table's width: IndexError
+    blocks = block_table[seq, pos // BS]                         # past the table's width: IndexError
     blocks = blocks.masked_fill(blocks < 0, NB)                  # -1 must not wrap to the last block: IndexError
     slots, nodes = pos % BS, accept_nodes.gather(1, j)
     k_cache[:, blocks, slots] = k_tree[:, seq, nodes]

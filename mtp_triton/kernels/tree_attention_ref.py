@@ -23,6 +23,7 @@ all its keys as its tail. Every layer of a step reads the same layout, so the en
 """
 import numbers
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -219,27 +220,33 @@ def plain_plan(block_table, cache_lens, tree_mask, num_blocks, block_size, windo
     return Keys(blocks.reshape(-1), bias, visible)
 
 
-def paged_keys(cache, tree, blocks, B: int):
-    """cache [NB, BS, Hkv, Dh] (one layer), tree [B, T, Hkv, Dh], blocks [B * nblk] -> [B, nblk * BS + T, Hkv, Dh]:
-    each sequence's cache blocks, then its tree nodes (typed for TorchScript: mtp_triton/scripted.py calls it too)."""
-    Hkv, Dh = cache.shape[2], cache.shape[3]
-    return torch.cat([cache.index_select(0, blocks).view(B, -1, Hkv, Dh), tree], 1)
+def _paged(cache, tree, blocks, keep: Optional[torch.Tensor], bias):
+    """cache [NB, BS, Hkv, Dh] (one layer), tree [B, T, Hkv, Dh], blocks [B * nblk] -> [B, Hkv, nblk * BS + T, Dh]
+    in bias's dtype: each sequence's cache blocks, then its tree nodes; those not in keep [B, m + T, 1, 1] zeroed."""
+    B, Hkv, Dh = tree.shape[0], cache.shape[2], cache.shape[3]
+    x = torch.cat([cache.index_select(0, blocks).view(B, -1, Hkv, Dh), tree], 1)
+    if keep is not None:
+        x = x.masked_fill(~keep, 0)
+    return x.to(bias.dtype).transpose(1, 2)
+
+
+def paged_sdpa(q, k_cache, v_cache, k_tree, v_tree, blocks, bias, keep: Optional[torch.Tensor] = None,
+               sm_scale: Optional[float] = None):
+    """`plain_attention` on a `Keys`' tensors, typed for TorchScript (mtp_triton/scripted.py calls it too): q
+    [B, T, Hq, Dh]; k_cache, v_cache [NB, BS, Hkv, Dh]; k_tree, v_tree [B, T, Hkv, Dh]; blocks, bias, keep as in
+    `Keys` (keep None: nothing zeroed). -> [B, T, Hq, Dh] in q's dtype, one SDPA call in bias's dtype."""
+    out = F.scaled_dot_product_attention(q.to(bias.dtype).transpose(1, 2), _paged(k_cache, k_tree, blocks, keep, bias),
+                                         _paged(v_cache, v_tree, blocks, keep, bias), attn_mask=bias, scale=sm_scale,
+                                         enable_gqa=True)                                      # [B, Hq, T, Dh]
+    return out.transpose(1, 2).to(q.dtype)
 
 
 def plain_attention(q, k_cache, v_cache, k_tree, v_tree, p, sm_scale=None, finite=False):
     """q [B, T, Hq, Dh]; k_cache, v_cache [NB, BS, Hkv, Dh] (one layer); k_tree, v_tree [B, T, Hkv, Dh]; p: the
     step's `Keys`. -> out [B, T, Hq, Dh] in q's dtype: softmax(q K^T * scale + bias) V in p.bias's dtype, as one
-    `scaled_dot_product_attention` call (GQA by enable_gqa). finite=True: the caches hold no NaN/inf anywhere (the
-    engine's own caches), so keys no node sees need not be zeroed (their probability is exactly 0)."""
-    B, T, Hq, Dh = q.shape
-    Hkv, acc = k_cache.shape[2], p.bias.dtype
-
-    def keys(cache, tree):                                                        # -> [B, Hkv, m + T, Dh]
-        x = paged_keys(cache, tree, p.blocks, B)
-        return (x if finite else x.masked_fill(~p.keep, 0)).to(acc).transpose(1, 2)
-    out = F.scaled_dot_product_attention(q.to(acc).transpose(1, 2), keys(k_cache, k_tree), keys(v_cache, v_tree),
-                                         attn_mask=p.bias, scale=sm_scale, enable_gqa=True)   # [B, Hq, T, Dh]
-    return out.transpose(1, 2).to(q.dtype)
+    `scaled_dot_product_attention` call (GQA by enable_gqa; `paged_sdpa`). finite=True: the caches hold no NaN/inf
+    anywhere (the engine's own caches), so keys no node sees need not be zeroed (their probability is exactly 0)."""
+    return paged_sdpa(q, k_cache, v_cache, k_tree, v_tree, p.blocks, p.bias, None if finite else p.keep, sm_scale)
 
 
 @dataclass
